@@ -1,0 +1,116 @@
+"""ModelSpec: the hyper-parameters the engine needs, independent of the file format."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# Hugging Face `architectures` / `model_type` names -> our family name.
+_HF_ARCH_ALIASES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything about a decoder-only model that the engine and the KV layout depend on."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    rope_scaling: dict[str, Any] | None = None  # e.g. Llama 3 {"rope_type": "llama3", ...}
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"kvrelay supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+    def kv_fingerprint(self, dtype: str) -> dict[str, Any]:
+        """What two instances must agree on before they exchange KV blocks."""
+        return {
+            "architecture": self.architecture,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": dtype,
+        }
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
+        """Build from a Hugging Face `config.json` dict (or `PretrainedConfig.to_dict()`)."""
+        names = list(cfg.get("architectures") or []) + [cfg.get("model_type", "")]
+        arch = next((_HF_ARCH_ALIASES[n] for n in names if n in _HF_ARCH_ALIASES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {names!r}; kvrelay supports "
+                f"{', '.join(sorted(k for k in _HF_ARCH_ALIASES if 'For' in k))}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        rope_params = cfg.get("rope_parameters")  # newer transformers keep theta in here
+        if rope_theta is None and isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta")
+        if rope_scaling is None and isinstance(rope_params, dict):
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
