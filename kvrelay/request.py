@@ -56,6 +56,8 @@ class Request:
     # Prompt tokens served from the local prefix cache / loaded through the connector at admission.
     num_cached_tokens: int = -1
     num_external_tokens: int = 0
+    # External tokens loaded synchronously whose step has not been confirmed yet (for stats).
+    num_external_unconfirmed: int = 0
     num_preemptions: int = 0
     # Chained hashes of the full blocks of all_token_ids, extended by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)

@@ -1,0 +1,109 @@
+"""Frozen configuration, built once at the edge (CLI, `LLM(...)`) and never mutated."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16", "auto": "float32"}
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """'1GiB' / '512MiB' / '2e9' / 1073741824 -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a byte count like '1GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"{name} must be a byte count like '1GiB' or '512MiB', got {value!r}")
+        n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"{name} must be a byte count like '1GiB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return n
+
+
+def normalize_dtype(dtype: str) -> str:
+    name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower().removeprefix("torch."))
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 1024**2  # bytes for all layers' KV blocks
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None  # tests: an exact block count instead of a byte budget
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        _positive("num_blocks_override", self.num_blocks_override, allow_none=True)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # A waiting request's prefill is cut into chunks of at most this many tokens per step, so
+    # long prompts share steps with decodes. 0 means "up to the whole budget".
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # Number of workers whose connector reports must all arrive before a transfer counts as done.
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("world_size", self.world_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: Any = None  # KVTransferConfig | None (kvrelay.kv_transfer.config)

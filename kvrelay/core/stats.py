@@ -1,0 +1,40 @@
+"""Scheduler-side counters: where prompt tokens came from, and what the connectors moved."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model on this instance
+    prompt_tokens_cached: int = 0  # served from the local prefix cache
+    prompt_tokens_external: int = 0  # loaded through a KV connector
+    prompt_tokens_external_by_connector: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    kv_load_failures: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_lease_expired: int = 0
+
+    def absorb_connector_stats(self, stats: dict[str, Any]) -> None:
+        """Fold one step's connector stats in. Keys: bytes, seconds, failures, lease_expired."""
+        if not stats:
+            return
+        self.kv_transfer_bytes += int(stats.get("bytes", 0))
+        self.kv_transfer_seconds += float(stats.get("seconds", 0.0))
+        self.kv_transfer_failures += int(stats.get("failures", 0))
+        self.kv_lease_expired += int(stats.get("lease_expired", 0))
+
+    def add_external(self, connector_name: str, num_tokens: int) -> None:
+        self.prompt_tokens_external += num_tokens
+        self.prompt_tokens_external_by_connector[connector_name] += num_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["prompt_tokens_external_by_connector"] = dict(self.prompt_tokens_external_by_connector)
+        return d
