@@ -1,0 +1,129 @@
+"""KVTransferConfig: which KV connector an engine runs, in which role, and how to reach it.
+
+Built once at the edge from a dict, a JSON string (the CLI's `--kv-transfer-config`) or an
+existing config, then frozen. Field names follow vLLM's so the same JSON works for both.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+# Expected type of every field, checked by from_any and __post_init__ (None allowed where listed).
+_FIELD_TYPES: dict[str, tuple[type, bool]] = {
+    "kv_connector": (str, True),
+    "kv_role": (str, False),
+    "kv_connector_module_path": (str, True),
+    "kv_connector_extra_config": (dict, False),
+    "kv_load_failure_policy": (str, False),
+    "engine_id": (str, False),
+    "kv_ip": (str, False),
+    "kv_port": (int, False),
+}
+
+
+def _new_engine_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    # Registered connector name ("ExampleConnector", "MultiConnector", ...), or the class name
+    # inside kv_connector_module_path. None: no connector.
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    # Dotted module path of an external connector; kv_connector names the class inside it.
+    kv_connector_module_path: str | None = None
+    # Connector-specific settings, e.g. {"shared_storage_path": "/tmp/kv"} for ExampleConnector.
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # What a failed KV load does to its request: "recompute" the missing part, or "fail" it.
+    kv_load_failure_policy: str = "recompute"
+    # Identifies this instance to its peers; unique per engine unless given.
+    engine_id: str = field(default_factory=_new_engine_id)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+
+    def __post_init__(self) -> None:
+        for name, (expected, nullable) in _FIELD_TYPES.items():
+            _check_type(name, getattr(self, name), expected, nullable)
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        if not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_port must be in 1..65535, got {self.kv_port!r}")
+        if not self.engine_id:
+            raise ValueError("engine_id must be a non-empty string (omit it to get a random one)")
+        if self.kv_connector_module_path is not None and self.kv_connector is None:
+            raise ValueError(
+                "kv_connector_module_path is set but kv_connector is not: name the class to load "
+                f"from {self.kv_connector_module_path!r} in kv_connector"
+            )
+        # NOTE: a private copy, so the caller's dict cannot change a frozen config afterwards.
+        object.__setattr__(self, "kv_connector_extra_config", dict(self.kv_connector_extra_config))
+
+    @property
+    def is_producer(self) -> bool:
+        """This instance computes KV that others use (a prefill instance, or an offloader)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """This instance uses KV computed elsewhere (a decode instance, or a cache reader)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_any(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
+        """Build from a config, a dict, or a JSON object string; None stays None (no connector).
+
+        Unknown keys and values of the wrong type raise ValueError naming the key.
+        """
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            value = _parse_json(value)
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"kv_transfer_config must be a dict, a JSON object string or a KVTransferConfig, "
+                f"got {type(value).__name__}"
+            )
+        unknown = sorted(set(value) - set(_FIELD_TYPES))
+        if unknown:
+            raise ValueError(
+                f"unknown kv_transfer_config key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(_FIELD_TYPES)}"
+            )
+        kwargs = dict(value)
+        if kwargs.get("engine_id") is None:
+            kwargs.pop("engine_id", None)  # None means "generate one"
+        if kwargs.get("kv_connector_extra_config") is None:
+            kwargs.pop("kv_connector_extra_config", None)
+        return cls(**kwargs)
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"kv_transfer_config is not valid JSON ({e.msg} at line {e.lineno}, "
+                         f"column {e.colno}): {text!r}") from None
+
+
+def _check_type(name: str, value: Any, expected: type, nullable: bool) -> None:
+    if value is None and nullable:
+        return
+    # NOTE: bool is a subclass of int; a port of True is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, expected):
+        wanted = expected.__name__ + (" or None" if nullable else "")
+        raise ValueError(f"kv_transfer_config key {name!r} must be {wanted}, got {value!r}")
