@@ -45,12 +45,19 @@ class RemoteKVTracker:
         self.kv.cache_blocks(req, valid)  # publish only the blocks that arrived intact
         # NOTE: the last prompt token is always computed again: it yields the first logits.
         req.num_computed_tokens = min(valid, req.num_tokens - 1)
-        num_loaded = max(0, valid - max(req.num_cached_tokens, 0))
+        # Count what the load saved, as a synchronous load does: the recomputed last token is
+        # counted as computed, so computed + cached + external adds up to the prompt.
+        num_loaded = max(0, req.num_computed_tokens - max(req.num_cached_tokens, 0))
         req.num_external_tokens += num_loaded
         req.status = RequestStatus.WAITING
         return num_loaded
 
     def defer_free_if_loading(self, req: Request) -> bool:
+        """For a finished request: True (and keep it until the load settles) while a load into
+        its blocks is in flight."""
+        # NOTE: a settled, not yet promoted load is forgotten, or a later request reusing the
+        # id would be promoted before its own load settled.
+        self._settled.pop(req.request_id, None)
         if req.request_id not in self._loading:
             return False
         self._finished_while_loading[req.request_id] = req
@@ -97,8 +104,13 @@ class RemoteKVTracker:
                 else:
                     load.valid_cap = valid if load.valid_cap is None else min(load.valid_cap, valid)
             elif recover:
+                # A synchronous load: the external tokens before the first bad block stay in
+                # use, so they are still counted once the recompute step succeeds.
+                external_start = req.num_computed_tokens - req.num_external_unconfirmed
                 req.num_computed_tokens = min(req.num_computed_tokens, valid)
-                req.num_external_unconfirmed = 0
+                still_loaded = max(0, req.num_computed_tokens - external_start)
+                req.num_external_tokens -= req.num_external_unconfirmed - still_loaded
+                req.num_external_unconfirmed = still_loaded
             affected.append((req, recover))
         return affected
 

@@ -184,7 +184,8 @@ class Scheduler:
         num_local = num_external = 0
         load_async = False
         # A request that already holds blocks (its remote load settled) skips the lookups.
-        if not kv.get_block_ids(req.request_id):
+        looked_up = not kv.get_block_ids(req.request_id)
+        if looked_up:
             computed_blocks, num_local = kv.get_computed_blocks(req)
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
@@ -201,7 +202,9 @@ class Scheduler:
             delay_cache_blocks=True, num_external_computed_tokens=num_external)
         if new_blocks is None:
             return None
-        if self.connector is not None and (num_external > 0 or req.num_computed_tokens == 0):
+        # NOTE: only after a lookup: a request promoted after a failed load must not look to
+        # the connector like a new admission (it could start a second transfer).
+        if self.connector is not None and looked_up:
             self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_external)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_local
@@ -283,7 +286,7 @@ class Scheduler:
             min_ok = req.num_output_tokens >= params.min_tokens
             if min_ok and not params.ignore_eos and token in req.eos_token_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-            elif min_ok and token in params.stop_token_ids:
+            elif min_ok and token in (params.stop_token_ids or ()):
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif (req.num_output_tokens >= (params.max_tokens or self.max_model_len)
                   or req.num_tokens >= self.max_model_len):
@@ -312,9 +315,17 @@ class Scheduler:
         if delay_free:
             req.blocks_held_by_connector = True
             self._held_by_connector[req_id] = req
-        elif not self.remote.defer_free_if_loading(req):
-            self._release(req)
+        self._release_when_settled(req)
         return params
+
+    def _release_when_settled(self, req: Request) -> None:
+        """Free a finished request's blocks, unless the connector still holds them or a load
+        into them is in flight; whichever settles last calls this again."""
+        # NOTE: the tracker is asked first, so it also keeps a held request whose load is in
+        # flight: the load may outlive the connector's hold.
+        if self.remote.defer_free_if_loading(req) or req.blocks_held_by_connector:
+            return
+        self._release(req)
 
     def _release(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
@@ -351,16 +362,16 @@ class Scheduler:
         for req_id in kv_out.finished_recving:
             settled = self.remote.on_finished_recving(req_id)
             if settled is not None:  # finished (aborted) while its load was in flight
-                self._release(settled)
+                self._release_when_settled(settled)
         for req_id in kv_out.failed_recving:
             settled = self.remote.on_failed_recving_settled(req_id)
             if settled is not None:
-                self._release(settled)
+                self._release_when_settled(settled)
         for req_id in kv_out.finished_sending:
             req = self._held_by_connector.pop(req_id, None)
             if req is not None:
                 req.blocks_held_by_connector = False
-                self._release(req)
+                self._release_when_settled(req)
         if self.connector is not None:
             self.connector.update_connector_output(kv_out)
         self.stats.absorb_connector_stats(kv_out.stats)

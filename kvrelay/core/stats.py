@@ -22,12 +22,15 @@ class SchedulerStats:
     kv_lease_expired: int = 0
 
     def absorb_connector_stats(self, stats: dict[str, Any]) -> None:
-        """Fold one step's connector stats in. Keys: bytes, seconds, failures, lease_expired."""
+        """Fold one step's worker-side connector stats in (keys as in kvrelay.kv_transfer.base:
+        bytes_loaded, bytes_saved, seconds_loading, seconds_saving, load_failures,
+        save_failures; lease_expired for connectors with leases)."""
         if not stats:
             return
-        self.kv_transfer_bytes += int(stats.get("bytes", 0))
-        self.kv_transfer_seconds += float(stats.get("seconds", 0.0))
-        self.kv_transfer_failures += int(stats.get("failures", 0))
+        self.kv_transfer_bytes += int(stats.get("bytes_loaded", 0)) + int(stats.get("bytes_saved", 0))
+        self.kv_transfer_seconds += float(stats.get("seconds_loading", 0.0)) + float(
+            stats.get("seconds_saving", 0.0))
+        self.kv_transfer_failures += int(stats.get("load_failures", 0)) + int(stats.get("save_failures", 0))
         self.kv_lease_expired += int(stats.get("lease_expired", 0))
 
     def add_external(self, connector_name: str, num_tokens: int) -> None:

