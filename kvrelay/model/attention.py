@@ -1,0 +1,270 @@
+"""Paged attention: K/V live in fixed-size blocks; each sequence names its blocks in a block table.
+
+One KV tensor per layer, shaped [num_blocks, 2, num_kv_heads, block_size, head_dim]: K at index 0,
+V at 1, one block's bytes contiguous and heads outer within a block, so a connector can address a
+block (or one head's slice of it) by offset.
+
+Per step the runner builds one `AttentionMetadata` (shared by every layer) that splits the flat
+batch in two kinds of work:
+- decodes (one query token): attended to as ONE batch per layer, reading every sequence's blocks
+  through a padded block table and masking the padding;
+- prefills (several query tokens: a prompt, a chunk of one, or a suffix after a prefix hit): one
+  `scaled_dot_product_attention` call each, causal with the query offset `seq_len - query_len`.
+
+NOTE: the decode path reads whole padded blocks and multiplies the masked positions by a zero
+probability, so the KV tensors must hold finite values: allocate them with `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.worker.forward_context import get_forward_context
+
+
+@dataclass
+class DecodeBatch:
+    """The sequences with exactly one query token this step, attended to together."""
+
+    token_index: slice | torch.Tensor  # their rows in the flat batch (a slice when consecutive)
+    num_seqs: int
+    max_blocks: int  # padded block-table width
+    block_ids: torch.Tensor  # [num_seqs * max_blocks] int64, padded block tables, row-major
+    mask: torch.Tensor  # [num_seqs, 1, max_blocks * block_size] float32: 0 = context, -inf = padding
+    _mask_by_dtype: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._mask_by_dtype:
+            self._mask_by_dtype[dtype] = self.mask.to(dtype)
+        return self._mask_by_dtype[dtype]
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence with several query tokens this step."""
+
+    start: int  # its rows [start, end) in the flat batch
+    end: int
+    seq_len: int  # context length after this step
+    # When part of the context was cached before this step, attention reads the whole context
+    # back from these blocks and needs an explicit mask; a fresh prompt needs neither.
+    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset, per token
+    query_start_loc: list[int]  # len num_seqs + 1; seq i owns flat tokens [qsl[i], qsl[i+1])
+    seq_lens: list[int]  # context length of seq i after this step
+    block_size: int
+    slot_block_ids: torch.Tensor  # [num_tokens] int64: slot_mapping // block_size
+    slot_offsets: torch.Tensor  # [num_tokens] int64: slot_mapping % block_size
+    decode: DecodeBatch | None
+    prefills: list[PrefillSeq]
+    # Scratch buffers shared by all layers of this step (filled lazily by the first layer).
+    workspace: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Seq i's query tokens sit at positions seq_lens[i]-query_lens[i] .. seq_lens[i]-1.
+    block_tables[i] lists the KV block ids of seq i in order, covering at least
+    ceil(seq_lens[i]/block_size) blocks (it may list more). Called once per step by the runner;
+    the result is shared by all layers."""
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise ValueError(
+            f"query_lens, seq_lens and block_tables must have one entry per sequence, got "
+            f"{len(query_lens)}, {len(seq_lens)}, {len(block_tables)}"
+        )
+    query_start_loc = [0]
+    slots: list[int] = []
+    decode_seqs: list[int] = []
+    prefills: list[PrefillSeq] = []
+    for i, (query_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
+        _check_seq(i, query_len, seq_len, table, block_size)
+        start = query_start_loc[-1]
+        query_start_loc.append(start + query_len)
+        first_pos = seq_len - query_len
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(first_pos, seq_len))
+        if query_len == 1:
+            decode_seqs.append(i)
+        elif query_len > 1:
+            prefills.append(_prefill_seq(start, query_len, seq_len, table, block_size, device))
+
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    decode = None
+    if decode_seqs:
+        decode = _decode_batch(decode_seqs, query_start_loc, seq_lens, block_tables, block_size, device)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=list(seq_lens),
+        block_size=block_size,
+        slot_block_ids=slot_mapping // block_size,
+        slot_offsets=slot_mapping % block_size,
+        decode=decode,
+        prefills=prefills,
+    )
+
+
+def _check_seq(i: int, query_len: int, seq_len: int, table: list[int], block_size: int) -> None:
+    if query_len < 0 or seq_len < query_len:
+        raise ValueError(f"seq {i}: need 0 <= query_len <= seq_len, got {query_len} and {seq_len}")
+    needed = -(-seq_len // block_size)
+    if len(table) < needed:
+        raise ValueError(
+            f"seq {i}: block table has {len(table)} blocks but seq_len {seq_len} needs {needed} "
+            f"(block_size {block_size})"
+        )
+
+
+def _prefill_seq(
+    start: int, query_len: int, seq_len: int, table: list[int], block_size: int, device: torch.device
+) -> PrefillSeq:
+    if query_len == seq_len:  # nothing cached before: causal attention over this step's k/v
+        return PrefillSeq(start, start + query_len, seq_len, None, None)
+    num_blocks = -(-seq_len // block_size)
+    block_ids = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)  # [query_len]
+    key_pos = torch.arange(seq_len, device=device)  # [seq_len]
+    mask = key_pos[None, :] <= query_pos[:, None]  # [query_len, seq_len]
+    return PrefillSeq(start, start + query_len, seq_len, block_ids, mask)
+
+
+def _decode_batch(
+    seqs: list[int],
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> DecodeBatch:
+    lens = [seq_lens[i] for i in seqs]
+    max_blocks = -(-max(lens) // block_size)
+    rows = []
+    for i, seq_len in zip(seqs, lens, strict=True):
+        table = block_tables[i][: -(-seq_len // block_size)]
+        rows.append(table + [table[0]] * (max_blocks - len(table)))  # pad with a real block
+    block_ids = torch.tensor(rows, dtype=torch.int64, device=device).flatten()
+
+    key_pos = torch.arange(max_blocks * block_size, device=device)  # [L]
+    in_context = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]  # [num_seqs, L]
+    mask = torch.zeros(in_context.shape, device=device).masked_fill_(~in_context, float("-inf"))
+
+    rows_in_batch = [query_start_loc[i] for i in seqs]
+    first = rows_in_batch[0]
+    token_index: slice | torch.Tensor
+    if rows_in_batch == list(range(first, first + len(seqs))):
+        token_index = slice(first, first + len(seqs))
+    else:
+        token_index = torch.tensor(rows_in_batch, dtype=torch.int64, device=device)
+    return DecodeBatch(token_index, len(seqs), max_blocks, block_ids, mask[:, None, :])
+
+
+class Attention(nn.Module):
+    """Attention of this step's queries over each sequence's whole context in the paged cache.
+
+    Calls the connector hooks through the forward context: `wait_for_layer_load` before touching
+    the cache, `save_kv_layer` after this step's K/V were written.
+    """
+
+    def __init__(
+        self, layer_name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # [num_blocks, 2, num_kv_heads, block_size, head_dim]; assigned by the model runner.
+        self.kv_cache: torch.Tensor = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] (already roped; row strides may be padded) -> [T, H*D]."""
+        ctx = get_forward_context()
+        meta: AttentionMetadata = ctx.attn_metadata[self.layer_name]
+        ctx.kv_connector.wait_for_layer_load(self.layer_name)
+        self._write_kv(k, v, meta)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [T, H*D]
+        if meta.decode is not None:
+            out[meta.decode.token_index] = self._decode(q, meta.decode, meta)
+        for seq in meta.prefills:
+            out[seq.start : seq.end] = self._prefill(q, k, v, seq)
+        ctx.kv_connector.save_kv_layer(self.layer_name, self.kv_cache, meta)
+        return out
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        num_tokens = k.shape[0]
+        blocks, offsets = meta.slot_block_ids, meta.slot_offsets
+        # Indexing [blocks, kv, :, offsets] selects [num_tokens, Hkv, D].
+        self.kv_cache[blocks, 0, :, offsets] = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.kv_cache[blocks, 1, :, offsets] = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+
+    def _decode(self, q: torch.Tensor, batch: DecodeBatch, meta: AttentionMetadata) -> torch.Tensor:
+        """One query per sequence, all sequences at once -> [num_seqs, H*D].
+
+        Works one KV head at a time so the gathered K/V (num_seqs * L * D each) stay in cache
+        between the gather and the two matmuls that read them.
+        """
+        n, hkv, d = batch.num_seqs, self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        block_size = meta.block_size
+        ctx_len = batch.max_blocks * block_size  # L, padded
+        queries = q[batch.token_index].view(n, hkv, group, d)  # [n, Hkv, G, D]
+        cache = self.kv_cache.view(self.kv_cache.shape[0], 2, hkv, block_size * d)  # [blocks, 2, Hkv, bs*D]
+        gathered = _workspace(meta, (2, n * batch.max_blocks, block_size * d), q.dtype)  # [2, n*nb, bs*D]
+        keys = gathered[0].view(n, ctx_len, d)  # [n, L, D]
+        values = gathered[1].view(n, ctx_len, d)  # [n, L, D]
+        mask = batch.mask_as(q.dtype)  # [n, 1, L]
+        out = q.new_empty(hkv, n, group, d)  # [Hkv, n, G, D]
+        for h in range(hkv):
+            torch.index_select(cache[:, 0, h], 0, batch.block_ids, out=gathered[0])
+            torch.index_select(cache[:, 1, h], 0, batch.block_ids, out=gathered[1])
+            scores = torch.baddbmm(mask, queries[:, h], keys.transpose(1, 2), alpha=self.scale)  # [n, G, L]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [n, G, L]
+            torch.bmm(probs, values, out=out[h])  # [n, G, D]
+        return out.permute(1, 0, 2, 3).reshape(n, self.num_heads * d)  # [n, H*D]
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+        """Several queries of one sequence -> [query_len, H*D]."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        query_len = seq.end - seq.start
+        queries = q[seq.start : seq.end].view(query_len, self.num_heads, d).transpose(0, 1)  # [H, Tq, D]
+        if seq.block_ids is None:  # the context is exactly this step's tokens
+            keys = k[seq.start : seq.end].view(query_len, hkv, d).transpose(0, 1)  # [Hkv, Tq, D]
+            values = v[seq.start : seq.end].view(query_len, hkv, d).transpose(0, 1)  # [Hkv, Tq, D]
+            out = F.scaled_dot_product_attention(
+                queries[None], keys[None], values[None], is_causal=True, scale=self.scale, enable_gqa=True
+            )  # [1, H, Tq, D]
+        else:
+            blocks = self.kv_cache.index_select(0, seq.block_ids)  # [nb, 2, Hkv, bs, D]
+            blocks = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, Hkv, nb*bs, D]
+            keys = blocks[0, :, : seq.seq_len]  # [Hkv, S, D]
+            values = blocks[1, :, : seq.seq_len]  # [Hkv, S, D]
+            out = F.scaled_dot_product_attention(
+                queries[None], keys[None], values[None], attn_mask=seq.mask, scale=self.scale, enable_gqa=True
+            )  # [1, H, Tq, D]
+        return out[0].transpose(0, 1).reshape(query_len, self.num_heads * d)  # [Tq, H*D]
+
+
+def _workspace(meta: AttentionMetadata, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A scratch tensor reused by every layer of this step (layers run one after another)."""
+    key = (shape, dtype)
+    buf = meta.workspace.get(key)
+    if buf is None:
+        buf = torch.empty(shape, dtype=dtype, device=meta.slot_mapping.device)
+        meta.workspace[key] = buf
+    return buf

@@ -1,0 +1,95 @@
+"""Building blocks of the llama family: RMSNorm, rotary position embedding, gated SiLU MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # 2 x [T, I]
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, rope_scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """Per-pair rotation speeds, [head_dim // 2] float32 (on the CPU, whatever the default device)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; kvrelay supports 'default' and 'llama3'")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 long-context rope: slow down low frequencies by `factor`, keep high ones,
+    interpolate smoothly in between."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX style) rope. `cos_sin` runs once per step; `apply_rotary` once per layer."""
+
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: `module.to(dtype)` must not round it to low precision.
+        self.inv_freq = rope_inverse_frequencies(head_dim, theta, rope_scaling)  # [D/2] float32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos [T, 1, D] and a signed sin [T, 1, D] (-sin on the first half),
+        broadcastable over heads, so that rotating is x * cos + swap_halves(x) * sin."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [T, D]
+        sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [T, D]
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, n_heads, D] (any row stride), cos/sin [T, 1, D] from `cos_sin` -> new [T, n_heads, D]."""
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x [T, n_heads, D/2]
+    swapped = torch.cat((x2, x1), dim=-1)  # [T, n_heads, D]
+    return torch.addcmul(x * cos, swapped, sin)
