@@ -6,6 +6,8 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 | variable            | default            | meaning                                            |
 |---------------------|--------------------|----------------------------------------------------|
 | `KVRELAY_CACHE_DIR` | `~/.cache/kvrelay` | converted models (`models/`) and other disk caches |
+| `KVRELAY_API_KEY`   | unset              | key `kvrelay serve` requires as `Authorization: Bearer` |
+| `KVRELAY_KV_SECRET` | unset              | a P/D cluster's shared secret (>= 16 chars): authenticates KV transfers (`secret_file` wins) |
 """
 
 from __future__ import annotations
@@ -20,3 +22,13 @@ def cache_dir() -> Path:
     """Root of kvrelay's disk caches (`KVRELAY_CACHE_DIR`), with `~` expanded."""
     raw = os.environ.get("KVRELAY_CACHE_DIR") or _DEFAULT_CACHE_DIR
     return Path(raw).expanduser()
+
+
+def api_key() -> str | None:
+    """The key `kvrelay serve` requires when `--api-key` is not given (`KVRELAY_API_KEY`), or None."""
+    return os.environ.get("KVRELAY_API_KEY") or None
+
+
+def kv_secret() -> str | None:
+    """The KV transfer secret shared by a P/D cluster (`KVRELAY_KV_SECRET`), or None."""
+    return os.environ.get("KVRELAY_KV_SECRET") or None

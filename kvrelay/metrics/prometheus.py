@@ -1,0 +1,88 @@
+"""Prometheus export for one serving instance.
+
+Each app gets its own CollectorRegistry (never the process-global one), so several apps in one
+process (tests) do not collide. Counters and gauges are read from the engine's stats snapshot
+at scrape time by a custom collector; the latency histograms are observed as things happen:
+TTFT and inter-token latency by the server per request, KV transfer seconds by a stats listener
+running in the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Exposed name -> (stats key, help). Counter names get "_total" appended by prometheus_client.
+_GAUGES = {
+    "kvrelay_kv_blocks_total": ("num_blocks", "KV cache blocks in the pool."),
+    "kvrelay_kv_blocks_in_use": ("blocks_in_use", "KV cache blocks referenced by requests or transfers."),
+    "kvrelay_num_requests_running": ("num_running", "Requests in the running batch."),
+    "kvrelay_num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+    "kvrelay_num_requests_waiting_for_remote_kv": (
+        "num_waiting_for_remote_kv", "Requests waiting for KV cache from another instance."),
+}
+_COUNTERS = {
+    "kvrelay_prompt_tokens_computed": ("prompt_tokens_computed", "Prompt tokens run through the model here."),
+    "kvrelay_prompt_tokens_cached": ("prompt_tokens_cached", "Prompt tokens hit in the local prefix cache."),
+    "kvrelay_prompt_tokens_external": ("prompt_tokens_external", "Prompt tokens loaded by a KV connector."),
+    "kvrelay_generation_tokens": ("generation_tokens", "Tokens generated."),
+    "kvrelay_kv_transfer_bytes": ("kv_transfer_bytes", "KV cache bytes moved by the connector."),
+    "kvrelay_kv_transfer_failures": ("kv_transfer_failures", "Failed KV loads and saves."),
+    "kvrelay_kv_lease_expired": ("kv_lease_expired", "Held KV blocks freed because their lease expired."),
+    "kvrelay_kv_load_failures": ("kv_load_failures", "Requests whose KV load failed (recomputed or failed)."),
+    "kvrelay_num_preemptions": ("num_preemptions", "Requests preempted for lack of KV blocks."),
+}
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters from the engine's latest stats snapshot."""
+
+    def __init__(self, read_stats: Callable[[], dict[str, Any]]) -> None:
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read_stats()
+        for name, (key, help_text) in _GAUGES.items():
+            yield GaugeMetricFamily(name, help_text, value=float(stats.get(key, 0)))
+        for name, (key, help_text) in _COUNTERS.items():
+            yield CounterMetricFamily(name, help_text, value=float(stats.get(key, 0)))
+
+
+class ServerMetrics:
+    """The metrics of one `kvrelay serve` app."""
+
+    def __init__(self, read_stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineStatsCollector(read_stats))
+        self.time_to_first_token = Histogram(
+            "kvrelay_time_to_first_token_seconds", "From request arrival to its first output token.",
+            buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "kvrelay_inter_token_latency_seconds", "Between consecutive output tokens of a request.",
+            buckets=_ITL_BUCKETS, registry=self.registry)
+        self.kv_transfer_seconds = Histogram(
+            "kvrelay_kv_transfer_seconds",
+            "Seconds the KV connector spent loading and saving, one sample per engine step that moved KV.",
+            buckets=_TRANSFER_BUCKETS, registry=self.registry)
+        self.requests_finished = Counter(
+            "kvrelay_requests_finished", "Requests finished, by finish reason.", ["finish_reason"],
+            registry=self.registry)
+
+    def on_engine_stats(self, previous: dict[str, Any], current: dict[str, Any]) -> None:
+        """A stats listener for AsyncLLM (runs in the engine thread; Histogram is thread-safe)."""
+        key = "kv_transfer_seconds"
+        moved = float(current.get(key, 0.0)) - float(previous.get(key, 0.0))
+        if moved > 0:
+            self.kv_transfer_seconds.observe(moved)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
