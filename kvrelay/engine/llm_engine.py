@@ -111,10 +111,12 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            raise ValueError(
+                f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, list | tuple):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

@@ -13,7 +13,8 @@ from kvrelay.config import parse_size
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+                   help="a .gguf file or a Hugging Face directory "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB", help="bytes for the KV cache, e.g. 1GiB")

@@ -1,0 +1,331 @@
+"""Offline engine benchmark: kvrelay against transformers on the default model, in one run.
+
+    .venv/bin/python benchmarks/bench_offline.py            # the full run (several minutes)
+    .venv/bin/python benchmarks/bench_offline.py --quick    # smaller workload, same table
+
+Both sides run the same weights (SmolLM2-135M-Instruct dequantized from the GGUF), fp32, with
+the same number of torch threads. The table prints each measurement, its baseline from this same
+run, the ratio and the target. Measurements:
+
+1. single-stream decode tok/s: one greedy request (ignore_eos) against `generate()`;
+2. mixed workload (fixed seed): N requests, prompt lengths 32-512, outputs 16-128; kvrelay with
+   continuous batching against `generate()` over padded static batches of 16, each batch running
+   to its longest output as a user of `generate` would; throughput counts each request's own
+   prompt and output tokens (padding and overrun are not counted as work);
+3. decode-step efficiency at batch 64: the achieved FLOP/s of a whole engine decode step against
+   the FLOP/s of bare matmuls with the model's own weight shapes at the same batch, measured here;
+4. prefill tok/s of a 1024-token prompt against one transformers forward over it;
+5. peak RSS beyond the KV cache, and the load time of a second start (fresh processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvrelay import LLM, SamplingParams  # noqa: E402
+from kvrelay.model.loader import LoadedModel, load_model  # noqa: E402
+from kvrelay.model.spec import ModelSpec  # noqa: E402
+
+
+@dataclass
+class Row:
+    name: str
+    kvrelay: float
+    baseline: float
+    unit: str
+    target: float | None  # minimum ratio kvrelay / baseline (None: no ratio target)
+    higher_is_better: bool = True
+    max_value: float | None = None  # an absolute ceiling on the kvrelay value instead
+
+    @property
+    def target_text(self) -> str:
+        if self.max_value is not None:
+            return f"< {self.max_value:g} {self.unit}"
+        return f">= {self.target:.2f}x" if self.target is not None else "-"
+
+    @property
+    def met(self) -> str:
+        if self.max_value is not None:
+            return "yes" if self.kvrelay < self.max_value else "NO"
+        if self.target is not None:
+            return "yes" if self.ratio >= self.target else "NO"
+        return "-"
+
+    @property
+    def ratio(self) -> float:
+        if self.higher_is_better:
+            return self.kvrelay / self.baseline
+        return self.baseline / self.kvrelay
+
+
+# ----------------------------------------------------------------------------- model set-up
+def hf_model_from(loaded: LoadedModel) -> Any:
+    """A transformers LlamaForCausalLM holding exactly kvrelay's weights."""
+    import transformers
+
+    spec: ModelSpec = loaded.spec
+    cfg = transformers.LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta, max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=spec.bos_token_id,
+        eos_token_id=list(spec.eos_token_ids), pad_token_id=list(spec.eos_token_ids)[0])
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in loaded.weights.items()}, strict=False,
+                          assign=True)
+    if spec.tie_word_embeddings:
+        model.tie_weights()
+    # Buffers are not in the state dict: rebuild the rotary embedding off the meta device.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    return model.eval()
+
+
+def make_llm(loaded: LoadedModel, **kwargs: Any) -> LLM:
+    kwargs.setdefault("kv_cache_memory", "1GiB")
+    return LLM(loaded_model=loaded, **kwargs)
+
+
+def fresh_loaded() -> LoadedModel:
+    return load_model(None, dtype=torch.float32)
+
+
+def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+# ----------------------------------------------------------------------------- 1. single stream
+def bench_single_stream(loaded: LoadedModel, hf: Any, new_tokens: int) -> Row:
+    rng = random.Random(0)
+    prompt = prompt_ids(rng, 32, loaded.spec.vocab_size)
+    llm = make_llm(fresh_loaded())
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # warm-up
+    kv_s, _ = timed(lambda: llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False))
+    ids = torch.tensor([prompt])
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    with torch.inference_mode():
+        hf.generate(ids, **gen)
+        hf_s, _ = timed(lambda: hf.generate(ids, **gen))
+    return Row("single-stream decode", new_tokens / kv_s, new_tokens / hf_s, "tok/s", 1.5)
+
+
+# ----------------------------------------------------------------------------- 2. mixed workload
+def mixed_requests(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [(prompt_ids(rng, rng.randint(32, 512), vocab), rng.randint(16, 128)) for _ in range(n)]
+
+
+def bench_mixed(loaded: LoadedModel, hf: Any, num_requests: int) -> Row:
+    reqs = mixed_requests(num_requests, loaded.spec.vocab_size)
+    useful = sum(len(p) + o for p, o in reqs)
+    llm = make_llm(fresh_loaded(), max_num_seqs=64, max_num_batched_tokens=2048)
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
+    kv_s, _ = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    hf_s, _ = timed(lambda: hf_static_batches(hf, reqs, batch_size=16))
+    return Row(f"mixed workload ({num_requests} req) throughput", useful / kv_s, useful / hf_s, "tok/s", 2.5)
+
+
+def hf_static_batches(hf: Any, reqs: list[tuple[list[int], int]], batch_size: int) -> None:
+    pad = hf.config.pad_token_id
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i:i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (p, _) in enumerate(batch):  # left padding, as generate() expects
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        longest = max(o for _, o in batch)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                        do_sample=False)
+
+
+# ----------------------------------------------------------------------------- 3. step efficiency
+def step_flops(spec: ModelSpec, batch: int, context: int) -> float:
+    """FLOPs of one decode step: every weight matmul, the LM head, and attention over the context."""
+    h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
+        spec.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    weights = spec.num_layers * per_layer + h * spec.vocab_size
+    attention = spec.num_layers * 2 * spec.num_heads * spec.head_dim * context  # QK^T and PV
+    return 2.0 * batch * (weights + attention)
+
+
+def matmul_ceiling(spec: ModelSpec, batch: int, repeats: int = 5) -> float:
+    """FLOP/s of bare matmuls with the model's weight shapes at this batch (the compute ceiling)."""
+    h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
+        spec.intermediate_size
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h)]
+    weights = [torch.randn(o, i) for i, o in shapes]
+    head = torch.randn(spec.vocab_size, h)
+    xs = {i: torch.randn(batch, i) for i, _ in shapes}
+    flops = 2.0 * batch * (spec.num_layers * sum(i * o for i, o in shapes) + h * spec.vocab_size)
+
+    def one_pass() -> None:
+        for _ in range(spec.num_layers):
+            for (i, _o), w in zip(shapes, weights, strict=True):
+                torch.nn.functional.linear(xs[i], w)
+        torch.nn.functional.linear(xs[h], head)
+
+    one_pass()
+    best = min(timed(one_pass)[0] for _ in range(repeats))
+    return flops / best
+
+
+def bench_step_efficiency(loaded: LoadedModel, batch: int = 64, prompt_len: int = 256,
+                          decode_steps: int = 16) -> Row:
+    spec = loaded.spec
+    llm = make_llm(fresh_loaded(), max_num_seqs=batch, max_num_batched_tokens=4096)
+    engine = llm.engine
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 4, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request({"prompt_token_ids": prompt_ids(rng, prompt_len, spec.vocab_size)}, params,
+                           request_id=f"s{i}")
+    started: set[str] = set()
+    while len(started) < batch:  # run every prefill
+        started.update(o.request_id for o in engine.step())
+    times = []
+    for _ in range(decode_steps):
+        t, outs = timed(engine.step)
+        assert len(outs) == batch, "every request must decode in the measured steps"
+        times.append(t)
+    engine.abort_request([f"s{i}" for i in range(batch)])
+    engine.run_until_idle()
+    step_s = sorted(times)[len(times) // 2]
+    achieved = step_flops(spec, batch, prompt_len + decode_steps // 2) / step_s
+    ceiling = matmul_ceiling(spec, batch)
+    return Row(f"decode step efficiency @ batch {batch}", achieved / 1e9, ceiling / 1e9, "GFLOP/s", 0.7)
+
+
+# ----------------------------------------------------------------------------- 4. prefill
+def bench_prefill(loaded: LoadedModel, hf: Any, prompt_len: int = 1024) -> Row:
+    rng = random.Random(2)
+    prompt = prompt_ids(rng, prompt_len, loaded.spec.vocab_size)
+    llm = make_llm(fresh_loaded(), max_num_batched_tokens=prompt_len, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    kv_s = min(timed(lambda: llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False))[0]
+               for _ in range(3))
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf(ids)
+        hf_s = min(timed(lambda: hf(ids))[0] for _ in range(3))
+    return Row(f"prefill {prompt_len} tokens", prompt_len / kv_s, prompt_len / hf_s, "tok/s", 0.9)
+
+
+# ----------------------------------------------------------------------------- 5. memory, start
+_CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+sys.path.insert(0, {root!r})
+import torch
+torch.set_num_threads({threads})
+t1 = time.perf_counter()
+if {side!r} == "kvrelay":
+    from kvrelay import LLM, SamplingParams
+    llm = LLM(kv_cache_memory="{kv}")
+    t2 = time.perf_counter()
+    llm.generate("Hello, who are you?", SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    kv_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches.values())
+else:
+    sys.path.insert(0, {bench!r})
+    from bench_offline import hf_model_from
+    from kvrelay.model.loader import load_model
+    hf = hf_model_from(load_model(None))
+    t2 = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=16, do_sample=False)
+    kv_bytes = 0
+print(json.dumps(dict(load_s=t2 - t1, rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      kv_bytes=kv_bytes)))
+"""
+
+
+def run_child(side: str, threads: int) -> dict[str, float]:
+    root = str(Path(__file__).resolve().parent.parent)
+    code = _CHILD.format(root=root, threads=threads, side=side, kv="256MiB",
+                         bench=str(Path(__file__).resolve().parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_memory_and_start(threads: int) -> list[Row]:
+    run_child("kvrelay", threads)  # make sure the conversion cache is warm
+    kv = run_child("kvrelay", threads)
+    hf = run_child("transformers", threads)
+    rss_beyond_kv = (kv["rss"] - kv["kv_bytes"]) / 1e9
+    return [
+        Row("peak RSS beyond the KV cache", rss_beyond_kv, hf["rss"] / 1e9, "GB", None,
+            higher_is_better=False, max_value=1.0),
+        Row("second start: load time", kv["load_s"], hf["load_s"], "s", None,
+            higher_is_better=False, max_value=3.0),
+    ]
+
+
+# ----------------------------------------------------------------------------- main
+def print_table(rows: list[Row], threads: int) -> None:
+    print(f"\nkvrelay vs transformers, SmolLM2-135M-Instruct fp32, {threads} threads, same run")
+    print(f"{'measurement':<42} {'kvrelay':>10} {'baseline':>10} {'unit':>8} {'ratio':>7} {'target':>10} met")
+    for r in rows:
+        print(f"{r.name:<42} {r.kvrelay:>10.2f} {r.baseline:>10.2f} {r.unit:>8} {r.ratio:>6.2f}x "
+              f"{r.target_text:>10} {r.met}")
+    print("(step efficiency: baseline = bare matmuls with the model's weight shapes at the same batch;"
+          " memory rows: baseline = transformers loading and running the same model)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a smaller workload for a fast check")
+    ap.add_argument("--only", default="", help="comma list of: single,mixed,step,prefill,memory")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    only = set(filter(None, args.only.split(",")))
+
+    def want(key: str) -> bool:
+        return not only or key in only
+
+    loaded = load_model(None, dtype=torch.float32)
+    hf = hf_model_from(loaded)
+    rows: list[Row] = []
+    if want("single"):
+        rows.append(bench_single_stream(loaded, hf, 64 if args.quick else 128))
+    if want("mixed"):
+        rows.append(bench_mixed(loaded, hf, 16 if args.quick else 64))
+    if want("step"):
+        rows.append(bench_step_efficiency(loaded, batch=64, decode_steps=8 if args.quick else 16))
+    if want("prefill"):
+        rows.append(bench_prefill(loaded, hf))
+    if want("memory"):
+        rows.extend(bench_memory_and_start(args.threads))
+    print_table(rows, args.threads)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    print(f"(this process peaked at {peak:.2f} GB RSS)")
+
+
+if __name__ == "__main__":
+    main()
