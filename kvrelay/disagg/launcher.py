@@ -1,0 +1,338 @@
+"""A local P/D cluster in one command: prefill and decode `kvrelay serve` processes plus the proxy.
+
+    with LocalCluster(ClusterSpec(model=None, port=8000)) as cluster:
+        print(cluster.url)          # the proxy: an OpenAI-compatible endpoint
+        cluster.wait_for_exit()     # until a child dies (Ctrl-C lands here as KeyboardInterrupt)
+
+Every child runs in its own session (process group), so stopping one stops whatever it spawned:
+SIGTERM to the group, SIGKILL after a grace period. Children die with the launcher even when it
+is killed outright (Linux: PR_SET_PDEATHSIG), and `stop()` also runs from atexit.
+
+Which KV connector links P and D is one small function per connector in CONNECTOR_PLANS: it
+returns the connector's `kv_connector_extra_config` and any environment the children need.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+KV_SECRET_ENV = "KVRELAY_KV_SECRET"
+
+
+class ClusterError(RuntimeError):
+    """A child failed to start, did not become healthy, or died."""
+
+
+# ---------------------------------------------------------------------- connector plans
+
+
+@dataclass(frozen=True)
+class ConnectorPlan:
+    """What a connector needs from the launcher, shared by every instance of the cluster."""
+
+    extra_config: dict[str, Any]  # kv_connector_extra_config, identical for P and D
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of every serve child
+
+
+def plan_example_connector(workdir: Path) -> ConnectorPlan:
+    """ExampleConnector: P writes block-aligned prompt prefixes to a directory, D reads them."""
+    storage = workdir / "kv"
+    storage.mkdir(parents=True, exist_ok=True)
+    return ConnectorPlan({"shared_storage_path": str(storage)})
+
+
+def plan_nixl_connector(workdir: Path) -> ConnectorPlan:
+    """NixlConnector: D pulls blocks from P; the side channel is authenticated by a cluster secret."""
+    return ConnectorPlan({"backend": "tcp", "lease_seconds": 60.0},
+                         env={KV_SECRET_ENV: secrets.token_hex(32)})
+
+
+CONNECTOR_PLANS: dict[str, Callable[[Path], ConnectorPlan]] = {
+    "ExampleConnector": plan_example_connector,
+    "SharedStorageConnector": plan_example_connector,
+    "NixlConnector": plan_nixl_connector,
+}
+DEFAULT_CONNECTOR = "ExampleConnector"
+
+
+def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
+                       plan: ConnectorPlan, host: str) -> dict[str, Any]:
+    """One instance's --kv-transfer-config (vLLM's field names)."""
+    return {"kv_connector": connector, "kv_role": role, "engine_id": engine_id, "kv_ip": host,
+            "kv_port": kv_port, "kv_connector_extra_config": plan.extra_config}
+
+
+# ---------------------------------------------------------------------- the cluster
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str | None = None  # None: serve's default model
+    host: str = "127.0.0.1"
+    port: int = 8000  # the proxy's port; 0 picks a free one
+    connector: str = DEFAULT_CONNECTOR
+    num_prefill: int = 1
+    num_decode: int = 1
+    threads_per_instance: int | None = None  # None: the machine's cores split evenly
+    serve_args: tuple[str, ...] = ()  # extra flags for every `kvrelay serve`
+    startup_timeout: float = 600.0
+    grace_period: float = 10.0
+    log_dir: str | None = None  # None: inside the cluster's temp directory (removed at exit)
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTOR_PLANS:
+            raise ValueError(f"unknown connector {self.connector!r} for `kvrelay up`; "
+                             f"known: {', '.join(CONNECTOR_PLANS)}")
+        for name in ("num_prefill", "num_decode"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads_per_instance is not None and self.threads_per_instance < 1:
+            raise ValueError(f"threads_per_instance must be >= 1, got {self.threads_per_instance}")
+
+    @property
+    def threads(self) -> int:
+        if self.threads_per_instance is not None:
+            return self.threads_per_instance
+        return max(1, available_cores() // (self.num_prefill + self.num_decode))
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ClusterError(f"port {port} on {host} is not free ({e.strerror}); "
+                               "pass another --port (0 picks a free one)") from None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class ChildProcess:
+    """One child in its own process group, logging to a file, with a health URL."""
+
+    def __init__(self, name: str, argv: list[str], url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name, self.argv, self.url, self.log_path = name, argv, url, log_path
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True, preexec_fn=_die_with_parent)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def exit_code(self) -> int | None:
+        """None while running (or never started)."""
+        return self.process.poll() if self.process is not None else None
+
+    def is_healthy(self, timeout: float = 2.0) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=timeout, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, num_lines: int = 25) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-num_lines:]) or "(empty log)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)  # the child's pid is its group id (own session)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_children(children: list[ChildProcess], grace_period: float) -> None:
+    """SIGTERM every child's group, wait up to `grace_period`, then SIGKILL what is left."""
+    for child in children:
+        if child.exit_code() is None:
+            child.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_period
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for child in children:
+        child.signal_group(signal.SIGKILL)  # the leader if hung, and any straggler in its group
+        if child.process is not None:
+            child.process.wait()
+
+
+def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any]) -> list[str]:
+    argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
+    if spec.model:
+        argv.append(spec.model)
+    argv += ["--host", spec.host, "--port", str(port), "--threads", str(spec.threads),
+             "--kv-transfer-config", json.dumps(transfer_config), *spec.serve_args]
+    return argv
+
+
+class LocalCluster:
+    """P and D serve processes and the proxy, started in that order, stopped together."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.children: list[ChildProcess] = []
+        self.workdir: Path | None = None
+        self.port = spec.port
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    @property
+    def prefill(self) -> list[ChildProcess]:
+        return [c for c in self.children if c.name.startswith("prefill")]
+
+    @property
+    def decode(self) -> list[ChildProcess]:
+        return [c for c in self.children if c.name.startswith("decode")]
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        atexit.register(self.stop)
+        try:
+            self._start()
+        except BaseException:  # a failed or interrupted start leaves nothing behind
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        spec = self.spec
+        if self.port == 0:
+            self.port = free_port(spec.host)
+        check_port_free(spec.host, self.port)
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
+        log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
+        plan = CONNECTOR_PLANS[spec.connector](self.workdir)
+        for index in range(spec.num_prefill):
+            self.children.append(self._instance(f"prefill-{index}", "kv_producer", plan, log_dir))
+        for index in range(spec.num_decode):
+            self.children.append(self._instance(f"decode-{index}", "kv_consumer", plan, log_dir))
+        for child in self.children:
+            child.start()
+        self._wait_healthy(self.children)
+        proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
+                      "--host", spec.host, "--port", str(self.port),
+                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode)]
+        proxy = ChildProcess("proxy", proxy_argv, self.url, log_dir / "proxy.log")
+        self.children.append(proxy)
+        proxy.start()
+        self._wait_healthy([proxy])
+
+    def _instance(self, name: str, kv_role: str, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
+        """One `kvrelay serve` child: its own HTTP port, kv_port and engine id."""
+        spec = self.spec
+        port = free_port(spec.host)
+        engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
+        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port(spec.host), plan, spec.host)
+        env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
+        return ChildProcess(name, serve_argv(spec, port, config), f"http://{spec.host}:{port}",
+                            log_dir / f"{name}.log", env)
+
+    def _wait_healthy(self, children: list[ChildProcess]) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                code = child.exit_code()
+                if code is not None:
+                    raise ClusterError(f"{child.name} exited with code {code} while starting; "
+                                       f"last lines of {child.log_path}:\n{child.log_tail()}")
+                if child.is_healthy():
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
+                raise ClusterError(f"not healthy after {self.spec.startup_timeout:.0f} s: "
+                                   f"{', '.join(c.name for c in pending)}\n{tails}")
+            if pending:
+                time.sleep(0.25)
+
+    def wait_for_exit(self, poll_interval: float = 0.5) -> ChildProcess:
+        """Block until some child exits; returns it (the caller then stops the rest)."""
+        while True:
+            for child in self.children:
+                if child.exit_code() is not None:
+                    return child
+            time.sleep(poll_interval)
+
+    def stop(self) -> None:
+        """Stop every child and remove the temp directory. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        atexit.unregister(self.stop)
+        # NOTE: a second Ctrl-C (or SIGTERM) must not interrupt the stop and strand children.
+        signals = (signal.SIGINT, signal.SIGTERM) if _in_main_thread() else ()
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+        try:
+            stop_children(self.children, self.spec.grace_period)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.workdir is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,91 @@
+"""`kvrelay up`: a local prefill/decode cluster behind one OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "up", help="start prefill + decode instances and the proxy on this machine",
+        description="Start P and D `kvrelay serve` processes and the P/D proxy on loopback ports, "
+                    "wait until all are healthy, and serve until Ctrl-C.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file or a Hugging Face directory (default: serve's default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
+    p.add_argument("--connector", default=None,
+                   help="KV connector linking P and D (default: ExampleConnector over a temp dir)")
+    p.add_argument("--prefill-instances", type=int, default=1)
+    p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--threads-per-instance", type=int, default=None,
+                   help="torch threads per instance (default: the cores split evenly)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache bytes per instance, e.g. 1GiB")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--log-dir", default=None, help="keep the children's logs here")
+    p.set_defaults(func=cmd_up)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from kvrelay.disagg.launcher import DEFAULT_CONNECTOR, ClusterError, ClusterSpec, LocalCluster
+
+    serve_args: list[str] = []
+    if args.kv_cache_memory is not None:
+        serve_args += ["--kv-cache-memory", args.kv_cache_memory]
+    if args.max_num_seqs is not None:
+        serve_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    spec = ClusterSpec(model=args.model, host=args.host, port=args.port,
+                       connector=args.connector or DEFAULT_CONNECTOR,
+                       num_prefill=args.prefill_instances, num_decode=args.decode_instances,
+                       threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
+                       startup_timeout=args.startup_timeout, log_dir=args.log_dir)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    print(f"kvrelay up: starting {spec.num_prefill} prefill + {spec.num_decode} decode instance(s), "
+          f"{spec.threads} thread(s) each, connector {spec.connector} ...", flush=True)
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        _print_ready(cluster)
+        dead = cluster.wait_for_exit()
+        print(f"kvrelay up: {dead.name} exited with code {dead.exit_code()}; stopping the cluster. "
+              f"Last lines of its log:\n{dead.log_tail()}", file=sys.stderr, flush=True)
+        return 1
+    except ClusterError as e:
+        print(f"kvrelay up: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\nkvrelay up: stopping ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        cluster.stop()
+        print("kvrelay up: stopped.", file=sys.stderr, flush=True)
+
+
+def _print_ready(cluster: Any) -> None:
+    import httpx
+
+    try:
+        model = httpx.get(cluster.url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        model = "default"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is a KV cache?"}],
+                       "max_tokens": 64})
+    lines = [f"kvrelay up: ready at {cluster.url}  (model {model})"]
+    for child in cluster.children:
+        lines.append(f"  {child.name:<10} {child.url}  pid {child.pid}  log {child.log_path}")
+    lines += ["", "Try:",
+              f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+              f"    -d '{body}'",
+              f"  kvrelay demo --url {cluster.url}",
+              "", "Ctrl-C stops everything."]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,320 @@
+"""The P/D proxy: one client request becomes a prefill leg and a decode leg (DESIGN.md section 5).
+
+    client ──POST /v1/chat/completions──> proxy
+      1. prefill leg -> least-loaded P: the body with max_tokens=1, stream=false and
+         kv_transfer_params = PREFILL_KV_TRANSFER_PARAMS. P computes the prompt's KV, keeps it,
+         and answers with top-level `kv_transfer_params` saying where D can find it.
+      2. decode leg  -> least-loaded D: the client's own body plus those kv_transfer_params.
+         D loads the KV instead of recomputing it and generates; its answer (SSE or JSON) is
+         relayed to the client chunk by chunk as it arrives.
+
+Both legs carry the same request id (body `request_id`, header `X-Request-Id`). When the prefill
+leg cannot help (P down, slow, erroring, or answering without kv_transfer_params) the client's
+body goes to D alone and D prefills locally: a fallback, counted in /metrics by reason. A client
+that disconnects closes the decode leg, which aborts the request on D.
+
+The field names are vLLM's, so the proxy also fronts vLLM instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvrelay.disagg.backends import Backend, BackendPool
+from kvrelay.disagg.proxy_metrics import ProxyMetrics
+
+logger = logging.getLogger(__name__)
+
+# What the prefill leg asks of P: compute the prompt, keep its KV for a remote decoder.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+REQUEST_ID_HEADER = "X-Request-Id"
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    api_key: str | None = None  # sent to the backends as `Authorization: Bearer`
+    prefill_timeout: float = 60.0  # seconds for the whole prefill leg before falling back
+    decode_timeout: float = 600.0  # seconds the decode leg may stay silent between chunks
+    connect_timeout: float = 5.0
+    health_timeout: float = 2.0
+    max_connections: int = 512
+
+
+def prefill_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """The prefill leg: the client's body reduced to one non-streamed token, asking P to keep KV."""
+    leg = dict(body)
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("min_tokens", None)  # a minimum above one token would make P reject the leg
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    leg["request_id"] = request_id
+    return leg
+
+
+def decode_body(body: dict[str, Any], request_id: str,
+                kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg: the client's body as sent (stream flag kept) plus P's kv_transfer_params.
+
+    Without params (a fallback) any client-supplied kv_transfer_params are dropped too, so D
+    surely prefills locally.
+    """
+    leg = dict(body)
+    leg.pop("kv_transfer_params", None)
+    if kv_transfer_params is not None:
+        leg["kv_transfer_params"] = kv_transfer_params
+    leg["request_id"] = request_id
+    return leg
+
+
+def openai_error(status: int, message: str, error_type: str = "proxy_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type, "param": None,
+                                   "code": status}}, status_code=status)
+
+
+class DisaggProxy:
+    """State shared by every request: the pools, one HTTP client, the metrics."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.prefill = BackendPool("prefill", config.prefill_urls)
+        self.decode = BackendPool("decode", config.decode_urls)
+        self.metrics = ProxyMetrics()
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=self.config.max_connections,
+                              max_keepalive_connections=min(64, self.config.max_connections))
+        timeout = httpx.Timeout(self.config.decode_timeout, connect=self.config.connect_timeout)
+        # NOTE: no env proxies (trust_env=False): legs go straight to the loopback backends.
+        self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("DisaggProxy.start() was not called (the app's lifespan runs it)")
+        return self._client
+
+    def _headers(self, request_id: str, client_headers: httpx.Headers | None = None) -> dict[str, str]:
+        headers = {REQUEST_ID_HEADER: request_id, "Accept-Encoding": "identity"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        elif client_headers is not None and "authorization" in client_headers:
+            headers["Authorization"] = client_headers["authorization"]
+        return headers
+
+    # ------------------------------------------------------------------ generation routes
+
+    async def generate(self, request: Request, route: str) -> Response:
+        self.metrics.requests.labels(route=route).inc()
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.metrics.errors.labels(kind="bad_request").inc()
+            return openai_error(400, f"request body is not valid JSON: {e}", "BadRequestError")
+        if not isinstance(body, dict):
+            self.metrics.errors.labels(kind="bad_request").inc()
+            return openai_error(400, f"request body must be a JSON object, got {type(body).__name__}",
+                                "BadRequestError")
+        request_id = f"kvrelay-{uuid.uuid4().hex}"
+        headers = self._headers(request_id, httpx.Headers(dict(request.headers)))
+        kv_transfer_params = await self._prefill(route, body, request_id, headers)
+        if await request.is_disconnected():
+            self.metrics.errors.labels(kind="client_disconnected").inc()
+            return Response(status_code=499)
+        return await self._decode(route, decode_body(body, request_id, kv_transfer_params),
+                                  request_id, headers)
+
+    async def _prefill(self, route: str, body: dict[str, Any], request_id: str,
+                       headers: dict[str, str]) -> dict[str, Any] | None:
+        """Run the prefill leg; P's kv_transfer_params, or None after counting a fallback."""
+        with self.prefill.lease() as backend:
+            with self.metrics.prefill_seconds.time():
+                outcome, params = await self._post_prefill(backend, route, body, request_id, headers)
+        self.metrics.legs.labels(leg="prefill", backend=backend.url,
+                                 outcome="ok" if params is not None else "fallback").inc()
+        if params is None:
+            self.metrics.fallbacks.labels(reason=outcome).inc()
+            log = logger.info if outcome == "no_kv_transfer_params" else logger.warning
+            log("request %s: prefill leg to %s gave %s; decoding on D alone", request_id,
+                backend.url, outcome)
+        return params
+
+    async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any],
+                            request_id: str, headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
+        try:
+            response = await asyncio.wait_for(
+                self.client.post(backend.url + route, json=prefill_body(body, request_id),
+                                 headers=headers),
+                timeout=self.config.prefill_timeout)
+        except (TimeoutError, httpx.TimeoutException):
+            return "timeout", None
+        except httpx.TransportError:
+            return "unreachable", None
+        if response.status_code != 200:
+            return f"http_{response.status_code}", None
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return "bad_response", None
+        if not isinstance(params, dict) or not params:
+            return "no_kv_transfer_params", None
+        return "ok", params
+
+    async def _decode(self, route: str, body: dict[str, Any], request_id: str,
+                      headers: dict[str, str]) -> Response:
+        """Send the decode leg and relay D's answer; D's own errors pass through unchanged."""
+        backend = self.decode.acquire()
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", backend.url + route, json=body, headers=headers),
+                stream=True)
+        except httpx.TransportError as e:
+            self.decode.release(backend)
+            self.metrics.legs.labels(leg="decode", backend=backend.url, outcome="error").inc()
+            self.metrics.errors.labels(kind="decode_unreachable").inc()
+            logger.warning("request %s: decode leg to %s failed: %r", request_id, backend.url, e)
+            return openai_error(502, f"decode instance {backend.url} is unreachable: {e!r}")
+        response_headers = {REQUEST_ID_HEADER: request_id}
+        media_type = upstream.headers.get("content-type", "application/json")
+        if upstream.status_code >= 400:
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+                self.decode.release(backend)
+            self.metrics.legs.labels(leg="decode", backend=backend.url, outcome="error").inc()
+            self.metrics.errors.labels(kind=f"decode_http_{upstream.status_code}").inc()
+            return Response(content, status_code=upstream.status_code, media_type=media_type,
+                            headers=response_headers)
+        return StreamingResponse(self._relay(upstream, backend, request_id),
+                                 status_code=upstream.status_code, media_type=media_type,
+                                 headers=response_headers)
+
+    async def _relay(self, upstream: httpx.Response, backend: Backend,
+                     request_id: str) -> AsyncIterator[bytes]:
+        """D's bytes as they arrive. Closing here (also on client disconnect) aborts D's request."""
+        outcome = "ok"
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        except httpx.TransportError as e:
+            outcome = "error"
+            self.metrics.errors.labels(kind="decode_stream_broken").inc()
+            logger.warning("request %s: decode stream from %s broke: %r", request_id, backend.url, e)
+        except BaseException:  # cancelled: the client went away
+            outcome = "cancelled"
+            self.metrics.errors.labels(kind="client_disconnected").inc()
+            raise
+        finally:
+            # NOTE: shielded, because a cancelled scope would otherwise abort the close itself.
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+            self.decode.release(backend)
+            self.metrics.legs.labels(leg="decode", backend=backend.url, outcome=outcome).inc()
+
+    # ------------------------------------------------------------------ other routes
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models, answered by a decode instance."""
+        backend = self.decode.pick()
+        headers = self._headers(f"kvrelay-{uuid.uuid4().hex}", httpx.Headers(dict(request.headers)))
+        try:
+            upstream = await self.client.get(backend.url + "/v1/models", headers=headers,
+                                             timeout=self.config.health_timeout * 5)
+        except httpx.TransportError as e:
+            self.metrics.errors.labels(kind="decode_unreachable").inc()
+            return openai_error(502, f"decode instance {backend.url} is unreachable: {e!r}")
+        return Response(upstream.content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"))
+
+    async def health(self) -> JSONResponse:
+        """Every backend's /health. 200 while some D is healthy (P being optional: fallback)."""
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        checks = {name: await asyncio.gather(*(self._check(b) for b in pool.backends))
+                  for name, pool in pools.items()}
+        decode_ok = any(c["healthy"] for c in checks["decode"])
+        prefill_ok = all(c["healthy"] for c in checks["prefill"])
+        decode_all = all(c["healthy"] for c in checks["decode"])
+        status = "ok" if decode_ok and prefill_ok and decode_all else "degraded" if decode_ok else "down"
+        return JSONResponse({"status": status, **checks}, status_code=200 if decode_ok else 503)
+
+    async def _check(self, backend: Backend) -> dict[str, Any]:
+        report: dict[str, Any] = {"url": backend.url, "healthy": False, "in_flight": backend.in_flight}
+        try:
+            response = await self.client.get(backend.url + "/health", timeout=self.config.health_timeout)
+            report["healthy"] = response.status_code == 200
+            if not report["healthy"]:
+                report["error"] = f"HTTP {response.status_code}"
+        except httpx.TransportError as e:
+            report["error"] = repr(e)
+        self.metrics.backend_up.labels(backend=backend.url).set(1 if report["healthy"] else 0)
+        return report
+
+
+def build_app(config: ProxyConfig) -> FastAPI:
+    """The proxy as an ASGI app (run it with uvicorn, or `kvrelay proxy`)."""
+    proxy = DisaggProxy(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.close()
+
+    app = FastAPI(title="kvrelay P/D proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.generate(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.generate(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.models(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await proxy.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(proxy.metrics.render(), media_type=proxy.metrics.content_type)
+
+    return app

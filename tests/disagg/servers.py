@@ -1,0 +1,129 @@
+"""Test servers: run an ASGI app on a loopback port in a thread, and fake P/D backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+class ServerThread:
+    """`with ServerThread(app) as server: server.url` serves `app` on 127.0.0.1 until exit."""
+
+    def __init__(self, app: Any) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def closed_port_url() -> str:
+    """A loopback URL nobody listens on (the port was free a moment ago)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class FakeBackend:
+    """A P or D that records what it receives and answers as told.
+
+    mode: "ok" | "error" (500) | "bad_request" (400, OpenAI error body) | "slow" (sleeps
+    `delay` before answering) | "no_params" (P answers without kv_transfer_params).
+    """
+
+    name: str
+    mode: str = "ok"
+    delay: float = 0.0
+    chunk_delay: float = 0.0
+    num_chunks: int = 3
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    healthy: bool = True
+
+    def kv_transfer_params(self, request_id: str) -> dict[str, Any]:
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
+                "remote_request_id": request_id, "remote_block_ids": [3, 4],
+                "remote_host": "127.0.0.1", "remote_port": 5555, "tp_size": 1,
+                "remote_num_tokens": 20}
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        @app.post("/v1/completions")
+        async def generate(request: Request) -> Response:
+            body = await request.json()
+            self.requests.append(body)
+            self.headers.append(dict(request.headers))
+            return await self._answer(body)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200 if self.healthy else 503)
+
+        return app
+
+    async def _answer(self, body: dict[str, Any]) -> Response:
+        if self.mode == "error":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if self.mode == "bad_request":
+            return JSONResponse({"error": {"message": "temperature must be >= 0, got -1",
+                                           "type": "BadRequestError", "param": "temperature",
+                                           "code": 400}}, status_code=400)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if body.get("stream"):
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+        answer: dict[str, Any] = {"id": body.get("request_id"), "object": "chat.completion",
+                                  "choices": [{"index": 0, "message": {"role": "assistant",
+                                                                       "content": f"from {self.name}"}}]}
+        if self.mode != "no_params":
+            answer["kv_transfer_params"] = self.kv_transfer_params(body.get("request_id", ""))
+        return JSONResponse(answer)
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        try:
+            for i in range(self.num_chunks):
+                if i:
+                    await asyncio.sleep(self.chunk_delay)
+                chunk = {"choices": [{"index": 0, "delta": {"content": f"tok{i} "}}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except BaseException:
+            self.cancelled.set()
+            raise

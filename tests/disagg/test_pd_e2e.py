@@ -1,0 +1,209 @@
+"""Real P, D and proxy processes on loopback, a tiny model, and ExampleConnector between them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrelay.disagg.launcher import ClusterSpec, LocalCluster
+from kvrelay.disagg.proxy import ProxyConfig, build_app
+from tests.disagg.servers import ServerThread, closed_port_url
+from tests.entrypoints.serve_process import ROOT, ServeProcess
+from tests.tiny import write_tiny_model_dir
+
+BLOCK_SIZE = 16
+SERVE_ARGS = ("--served-model-name", "tiny", "--kv-cache-memory", "8MiB", "--block-size", str(BLOCK_SIZE),
+              "--log-level", "warning")
+# Prompts of the tiny word-level vocabulary ("t17" is token 17): shorter than a block, exactly
+# two blocks, and several blocks with a partial last one.
+PROMPTS = [" ".join(f"t{(7 * i + k) % 250 + 2}" for i in range(n)) for k, n in ((1, 5), (2, 32), (3, 75))]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[LocalCluster]:
+    spec = ClusterSpec(model=str(model_dir), port=0, threads_per_instance=1, serve_args=SERVE_ARGS,
+                       startup_timeout=180, grace_period=10)
+    with LocalCluster(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    serve = ServeProcess(model_dir, tmp_path_factory.mktemp("single") / "serve.log", *SERVE_ARGS)
+    try:
+        serve.wait_healthy(180)
+        yield serve
+    finally:
+        serve.stop()
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def completion(url: str, prompt: str, stream: bool = False, model: str = "tiny") -> str:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                            "temperature": 0.0, "stream": stream}
+    if not stream:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["text"])
+    import json
+
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    text += choice.get("text") or ""
+    return text
+
+
+def model_name(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def wait_for_blocks_freed(urls: list[str], timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        in_use = {url: metrics(url)["kvrelay_kv_blocks_in_use"] for url in urls}
+        if all(v == 0 for v in in_use.values()) or time.monotonic() > deadline:
+            return in_use
+        time.sleep(0.2)
+
+
+def test_greedy_answers_through_the_proxy_equal_a_single_instance_and_d_does_not_recompute(
+        cluster: LocalCluster, single: ServeProcess) -> None:
+    (p,), (d,) = cluster.prefill, cluster.decode
+    for prompt in PROMPTS:
+        n_prompt = len(prompt.split())
+        before = metrics(d.url)
+        assert completion(cluster.url, prompt) == completion(single.url, prompt)
+        after = metrics(d.url)
+        computed, loaded = (after[name] - before[name] for name in (
+            "kvrelay_prompt_tokens_computed_total", "kvrelay_prompt_tokens_external_total"))
+        # ExampleConnector stores the block-aligned prefix of all but the last prompt token.
+        assert loaded == (n_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE, (prompt, loaded)
+        assert computed == n_prompt - loaded and computed <= BLOCK_SIZE, (prompt, computed)
+    # A streamed answer through the proxy assembles to the same text.
+    assert completion(cluster.url, PROMPTS[2], stream=True) == completion(single.url, PROMPTS[2])
+    assert wait_for_blocks_freed([p.url, d.url]) == {p.url: 0, d.url: 0}
+
+
+def test_chat_through_the_proxy_equals_a_single_instance(cluster: LocalCluster, single: ServeProcess) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[1]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    via_proxy = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=60).json()
+    alone = httpx.post(single.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert via_proxy["choices"][0]["message"] == alone["choices"][0]["message"]
+    assert via_proxy["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+
+
+def test_proxy_with_prefill_down_answers_via_fallback(cluster: LocalCluster, single: ServeProcess) -> None:
+    (d,) = cluster.decode
+    prompt = "t201 t202 t203 t204 t205 t206 t207 t208 t209 t210 t211 t212 t213 t214 t215 t216 t217 t218"
+    config = ProxyConfig(prefill_urls=(closed_port_url(),), decode_urls=(d.url,))
+    with ServerThread(build_app(config)) as proxy:
+        before = metrics(d.url)["kvrelay_prompt_tokens_computed_total"]
+        assert completion(proxy.url, prompt) == completion(single.url, prompt)
+        assert metrics(proxy.url)["kvrelay_proxy_fallbacks_total"] == 1
+    # D computed the whole prompt itself: nobody had stored it.
+    assert metrics(d.url)["kvrelay_prompt_tokens_computed_total"] - before == len(prompt.split())
+    assert wait_for_blocks_freed([d.url]) == {d.url: 0}
+
+
+def test_proxy_health_lists_the_cluster_backends(cluster: LocalCluster) -> None:
+    health = httpx.get(cluster.url + "/health", timeout=10).json()
+    assert health["status"] == "ok"
+    assert [b["url"] for b in health["prefill"]] == [c.url for c in cluster.prefill]
+    assert [b["url"] for b in health["decode"]] == [c.url for c in cluster.decode]
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _processes_mentioning(needle: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return [pid for pid in found if _alive(pid)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_path: Path) -> None:
+    model_dir = write_tiny_model_dir(tmp_path / "up_model")  # its own path, to find its processes
+    cmd = [sys.executable, "-m", "kvrelay.entrypoints.cli", "up", str(model_dir), "--port", "0",
+           "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--startup-timeout", "180"]
+    up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    banner: list[str] = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            banner.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                break
+        text = "".join(banner)
+        match = re.search(r"ready at (http://127\.0\.0\.1:\d+)", text)
+        assert match, text
+        child_pids = [int(pid) for pid in re.findall(r" pid (\d+) ", text)]
+        assert len(child_pids) == 3, text  # P, D and the proxy
+        url = match.group(1)
+        assert completion(url, PROMPTS[1], model=model_name(url)) != ""
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert [pid for pid in child_pids if _alive(pid)] == []
+    assert _processes_mentioning(str(model_dir)) == []
+    assert os.getpid() not in child_pids
+
+
+def test_demo_streams_answers_and_shows_the_prompt_was_loaded_on_d(cluster: LocalCluster) -> None:
+    import io
+
+    from kvrelay.disagg.demo import run_demo
+
+    out = io.StringIO()
+    results = run_demo(cluster.url, max_tokens=4, prompts=[PROMPTS[2]], out=out)
+    text = out.getvalue()
+    assert [r.ok for r in results] == [True] and results[0].ttft is not None
+    assert "TTFT" in text and "ITL" in text
+    assert "prompt tokens computed" in text and "KV bytes moved" in text
+    loaded = re.search(r"D loaded the KV of (\d+) of them", text)
+    assert loaded and int(loaded.group(1)) >= 64 and int(loaded.group(1)) % BLOCK_SIZE == 0, text
