@@ -7,7 +7,7 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 |---------------------|--------------------|----------------------------------------------------|
 | `KVRELAY_CACHE_DIR` | `~/.cache/kvrelay` | converted models (`models/`) and other disk caches |
 | `KVRELAY_API_KEY`   | unset              | key `kvrelay serve` requires as `Authorization: Bearer` |
-| `KVRELAY_KV_SECRET` | unset              | a P/D cluster's shared secret (>= 16 chars): authenticates KV transfers (`secret_file` wins) |
+| `KVRELAY_KV_SECRET` | unset              | P/D cluster secret (>= 16 chars); `secret_file` wins |
 """
 
 from __future__ import annotations

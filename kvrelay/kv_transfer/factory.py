@@ -78,3 +78,4 @@ def create_connector(config: EngineConfig, role: KVConnectorRole, kv_spec: KVCac
 register_connector("ExampleConnector", f"{_CONNECTORS_PACKAGE}.example", "ExampleConnector")
 register_connector("SharedStorageConnector", f"{_CONNECTORS_PACKAGE}.example", "ExampleConnector")
 register_connector("MultiConnector", f"{_CONNECTORS_PACKAGE}.multi", "MultiConnector")
+register_connector("NixlConnector", f"{_CONNECTORS_PACKAGE}.nixl", "NixlConnector")

@@ -1,0 +1,491 @@
+"""D's pulls: handshake with each prefill instance, pin the lease, read, verify, report.
+
+One pull per request, driven by the engine thread (`start`, `abort`, `poll`); everything that
+waits on the network runs on one `PeerThread` per prefill instance, which posts its results to
+a queue the engine thread drains. A pull moves through
+
+    handshake (until its peer answered)  ->  pin (P checks and extends the lease, sends the
+    blocks' checksums)  ->  reading (transport)  ->  finished_recving, or failed_recving
+
+and any failure on the way (refused params, handshake refused or timed out, mismatched peer,
+lease gone, transfer error, deadline, checksum mismatch, P restarted) ends in failed_recving or
+invalid blocks, after which the scheduler applies the failure policy. When a pull ends without a
+read, P is told with a release, so it frees the blocks without waiting for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from kvrelay.kv_transfer.connectors import security
+from kvrelay.kv_transfer.connectors.nixl_meta import (
+    LEASE_ALIVE,
+    LEASE_PENDING,
+    HandshakeReply,
+    HandshakeRequest,
+    HeartbeatRequest,
+    LeaseRef,
+    LeaseStatus,
+    LeaseStatuses,
+    PinRequest,
+    PullSpec,
+    ReleaseRequest,
+)
+from kvrelay.kv_transfer.connectors.side_channel import (
+    PeerThread,
+    SideChannelClient,
+    SideChannelError,
+    decode,
+)
+from kvrelay.kv_transfer.transport.base import RegionLayout, TransferHandle, TransferState
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrelay.kv_transfer.connectors.nixl import NixlConfig
+    from kvrelay.kv_transfer.transport.base import KVTransport
+
+logger = logging.getLogger(__name__)
+
+_PIN_RETRY_S = (0.002, 0.005, 0.01, 0.02, 0.05)  # backoff while P has not registered the lease
+
+
+@dataclass(frozen=True)
+class LocalIdentity:
+    """What a peer must match before D reads its KV."""
+
+    engine_id: str
+    backend: str
+    block_size: int
+    fingerprint_digest: str
+    fingerprint: dict[str, Any]
+    layout: RegionLayout
+
+
+@dataclass
+class _Peer:
+    engine_id: str
+    host: str
+    port: int
+    thread: PeerThread
+    reply: HandshakeReply | None = None  # set once the handshake succeeded
+    leases: tuple[LeaseRef, ...] = ()  # what the heartbeats keep alive (read by the peer thread)
+
+
+@dataclass
+class _Pull:
+    spec: PullSpec
+    deadline: float  # time.monotonic()
+    state: str = "handshake"  # -> "pin" -> "reading" (-> "cancelling": given up, read in flight)
+    handle: TransferHandle | None = None
+    checksums: list[int] = field(default_factory=list)
+    safe_until: float = 0.0  # P promised to hold the blocks until then (monotonic)
+    read_started: float = 0.0
+    aborted: bool = False
+    failure: str = ""  # why a cancelling pull gave up
+
+
+@dataclass
+class PullResults:
+    finished: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def count(self, key: str, value: float = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + value
+
+
+class Puller:
+    def __init__(self, transport: KVTransport, identity: LocalIdentity, config: NixlConfig,
+                 channel_key: bytes, kv_layers: Sequence[torch.Tensor]) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.config = config
+        self.channel_key = channel_key
+        self.kv_layers = list(kv_layers)
+        self._ctx = zmq.Context()
+        self._peers: dict[str, _Peer] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._results = PullResults()
+        self._closing: list[PeerThread] = []  # threads of dropped peers, joined in close()
+
+    def has_pending(self) -> bool:
+        return bool(self._pulls)
+
+    # ---------------------------------------------------------------- engine thread: intake
+
+    def start(self, spec: PullSpec) -> None:
+        if spec.rejected is not None:
+            self._results.count("params_rejected")
+            self._fail_now(spec.req_id, f"refused its kv_transfer_params: {spec.rejected}")
+            return
+        peer = self._peer_for(spec)
+        if spec.notify_only:  # a full local hit: nothing to read, P may free the blocks
+            self._release(peer, spec)
+            return
+        pull = _Pull(spec, deadline=time.monotonic() + self.config.transfer_timeout_seconds)
+        self._pulls[spec.req_id] = pull
+        if peer.reply is not None:
+            self._pin(peer, pull)
+
+    def abort(self, req_id: str) -> None:
+        """The request finished while loading. A read in flight completes (its blocks are freed
+        once it settled); anything earlier ends now and P is told."""
+        pull = self._pulls.get(req_id)
+        if pull is None:
+            return
+        if pull.state in ("reading", "cancelling"):
+            pull.aborted = True
+            return
+        self._fail(pull, "aborted before its read started", count=False)
+
+    def _peer_for(self, spec: PullSpec) -> _Peer:
+        peer = self._peers.get(spec.remote_engine_id)
+        if peer is not None and (peer.host, peer.port) != (spec.remote_host, spec.remote_port):
+            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{spec.remote_port}")
+            peer = None
+        if peer is None:
+            beats: list[_Peer] = []  # NOTE: the thread needs its peer, the peer its thread
+            thread = PeerThread(self._ctx, spec.remote_host, spec.remote_port, self.channel_key,
+                                name=f"kv-peer-{spec.remote_engine_id[:8]}",
+                                heartbeat=lambda client: self._heartbeat_job(client, beats[0]),
+                                heartbeat_s=self.config.heartbeat_seconds)
+            peer = _Peer(spec.remote_engine_id, spec.remote_host, spec.remote_port, thread)
+            beats.append(peer)
+            self._peers[spec.remote_engine_id] = peer
+            thread.submit(functools.partial(self._handshake_job, peer=peer))
+        return peer
+
+    # ---------------------------------------------------------------- peer threads: jobs
+
+    def _handshake_job(self, client: SideChannelClient, peer: _Peer) -> None:
+        request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id=peer.engine_id)
+        try:
+            reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
+            self._events.put(("handshake", peer, decode(reply.body, HandshakeReply), None))
+        except SideChannelError as e:
+            self._events.put(("handshake", peer, None, f"handshake with {client.address} failed: {e}"))
+
+    def _pin_job(self, client: SideChannelClient, peer: _Peer, spec: PullSpec, deadline: float) -> None:
+        request = PinRequest(request_id=spec.remote_request_id, lease_id=spec.lease_id,
+                             block_ids=spec.remote_block_ids, prompt_digest=spec.prompt_digest,
+                             want_checksums=self.config.verify_checksum)
+        attempt = 0
+        while True:
+            sent_at = time.monotonic()
+            try:
+                reply = client.call("pin", request, max(0.0, deadline - sent_at))
+            except SideChannelError as e:
+                self._events.put(("pin", peer, spec.req_id, None, f"pin failed: {e}", sent_at, ""))
+                return
+            status: LeaseStatus = decode(reply.body, LeaseStatus)
+            if status.state != LEASE_PENDING or time.monotonic() >= deadline or client.stop.is_set():
+                self._events.put(("pin", peer, spec.req_id, status, None, sent_at, reply.sender))
+                return
+            time.sleep(_PIN_RETRY_S[min(attempt, len(_PIN_RETRY_S) - 1)])
+            attempt += 1
+
+    def _heartbeat_job(self, client: SideChannelClient, peer: _Peer) -> None:
+        leases = peer.leases
+        if not leases or peer.reply is None:
+            return
+        sent_at = time.monotonic()
+        try:
+            reply = client.call("heartbeat", HeartbeatRequest(leases=list(leases)),
+                                min(5.0, peer.thread.heartbeat_s * 2))
+        except SideChannelError as e:
+            logger.warning("NixlConnector: heartbeat to engine %s failed: %s", peer.engine_id, e)
+            return
+        statuses = decode(reply.body, LeaseStatuses).statuses
+        self._events.put(("heartbeat", peer, statuses, sent_at, reply.sender))
+
+    @staticmethod
+    def _release_job(client: SideChannelClient, spec: PullSpec) -> None:
+        try:
+            client.call("release", ReleaseRequest(request_id=spec.remote_request_id, lease_id=spec.lease_id),
+                        timeout_s=2.0)
+        except SideChannelError as e:
+            logger.info("NixlConnector: release of %s failed (its lease will expire): %s",
+                        spec.remote_request_id, e)
+
+    # ---------------------------------------------------------------- engine thread: progress
+
+    def poll(self) -> PullResults:
+        """Advance every pull; return what settled since the last call."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            getattr(self, f"_on_{event[0]}")(*event[1:])
+        now = time.monotonic()
+        for pull in list(self._pulls.values()):
+            if pull.state == "reading":
+                self._check_read(pull, now)
+            elif pull.state == "cancelling":
+                self._check_cancelled(pull, now)
+            elif now >= pull.deadline:
+                self._fail(pull, f"gave up after {self.config.transfer_timeout_seconds:.1f} s "
+                                 f"(still in the {pull.state} stage)", stat="timeouts")
+        for peer in self._peers.values():
+            peer.leases = tuple(LeaseRef(p.spec.remote_request_id, p.spec.lease_id)
+                                for p in self._pulls.values()
+                                if p.spec.remote_engine_id == peer.engine_id and p.state != "cancelling")
+        results, self._results = self._results, PullResults()
+        return results
+
+    def _on_handshake(self, peer: _Peer, reply: HandshakeReply | None, error: str | None) -> None:
+        if self._peers.get(peer.engine_id) is not peer:
+            return  # a peer dropped meanwhile
+        if reply is not None and error is None:
+            error = self._incompatibility(peer, reply)
+        if reply is not None and error is None:
+            try:
+                self.transport.remove_remote(peer.engine_id)  # a restarted peer: forget the old one
+                self.transport.add_remote(peer.engine_id, reply.agent_metadata, _layout(reply))
+            except Exception as e:
+                error = (f"cannot connect the {self.identity.backend} transport to engine "
+                         f"{peer.engine_id}: {e}")
+        if error is not None:
+            self._drop_peer(peer, error)
+            return
+        assert reply is not None
+        peer.reply = reply
+        peer.thread.heartbeat_s = min(self.config.heartbeat_seconds, reply.lease_seconds / 3)
+        logger.info("NixlConnector: handshake with engine %s at %s:%d done (%s, %d blocks)",
+                    peer.engine_id, peer.host, peer.port, reply.backend, reply.num_blocks)
+        for pull in list(self._pulls.values()):
+            if pull.spec.remote_engine_id == peer.engine_id and pull.state == "handshake":
+                self._pin(peer, pull)
+
+    def _incompatibility(self, peer: _Peer, reply: HandshakeReply) -> str | None:
+        me = self.identity
+        where = f"the KV side channel at {peer.host}:{peer.port}"
+        if reply.engine_id != peer.engine_id:
+            return (f"{where} is engine {reply.engine_id}, the params name {peer.engine_id} "
+                    "(did the prefill instance restart?)")
+        if reply.fingerprint_digest != me.fingerprint_digest:
+            return (f"{where} runs another model or KV format: its fingerprint is {reply.fingerprint}, "
+                    f"ours is {me.fingerprint}; pair the decode instance with a prefill instance "
+                    "of the same model")
+        mismatches = [(name, theirs, ours) for name, theirs, ours in (
+            ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
+            ("layer_names", reply.layer_names, list(me.layout.layer_names)),
+            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_size", reply.tp_size, 1))
+            if theirs != ours]
+        if mismatches:
+            text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)
+            return f"{where} has an incompatible KV layout ({text}); configure both instances alike"
+        return None
+
+    def _pin(self, peer: _Peer, pull: _Pull) -> None:
+        assert peer.reply is not None
+        out_of_range = [b for b in pull.spec.remote_block_ids if b >= peer.reply.num_blocks]
+        if out_of_range:
+            self._results.count("params_rejected")
+            self._fail(pull, f"its params name blocks {out_of_range} outside engine {peer.engine_id}'s "
+                             f"pool of {peer.reply.num_blocks}", release=False)
+            return
+        pull.state = "pin"
+        spec, deadline = pull.spec, pull.deadline
+        peer.thread.submit(lambda client: self._pin_job(client, peer, spec, deadline))
+
+    def _on_pin(self, peer: _Peer, req_id: str, status: LeaseStatus | None, error: str | None,
+                sent_at: float, sender: str) -> None:
+        if self._peers.get(peer.engine_id) is not peer:
+            return  # asked a peer that was dropped since (its pulls were failed or moved)
+        pull = self._pulls.get(req_id)
+        if pull is None or pull.state != "pin":
+            if status is not None and status.state == LEASE_ALIVE:
+                self._release(peer, None if pull is None else pull.spec)
+            return
+        if status is not None and not self._same_instance(peer, sender):
+            return
+        if status is None or status.state != LEASE_ALIVE:
+            reason = error or f"P answered {status.state!r}: {status.error}"  # type: ignore[union-attr]
+            self._fail(pull, f"could not pin its lease on engine {peer.engine_id}: {reason}",
+                       release=status is not None)
+            return
+        if self.config.verify_checksum and len(status.checksums) != len(pull.spec.remote_block_ids):
+            self._fail(pull, "P sent no checksums for its blocks")
+            return
+        pull.checksums = status.checksums
+        self._keep_safe(pull, sent_at, status.remaining_s)
+        self._start_read(pull)
+
+    def _on_heartbeat(self, peer: _Peer, statuses: list[LeaseStatus], sent_at: float, sender: str) -> None:
+        if self._peers.get(peer.engine_id) is not peer or not self._same_instance(peer, sender):
+            return
+        by_remote_id = {p.spec.remote_request_id: p for p in self._pulls.values()
+                        if p.spec.remote_engine_id == peer.engine_id}
+        for status in statuses:
+            pull = by_remote_id.get(status.request_id)
+            if pull is None or status.state == LEASE_PENDING:
+                continue
+            if status.state == LEASE_ALIVE:
+                self._keep_safe(pull, sent_at, status.remaining_s)
+            elif pull.state in ("handshake", "pin"):
+                self._fail(pull, f"its lease on engine {peer.engine_id} ended: {status.error}", release=False)
+
+    def _same_instance(self, peer: _Peer, sender: str) -> bool:
+        """False (and every pull from the peer failed) when P restarted since the handshake."""
+        if peer.reply is None or sender == peer.reply.instance_id:
+            return True
+        self._drop_peer(peer, f"engine {peer.engine_id} restarted since the handshake", retry=True)
+        return False
+
+    @staticmethod
+    def _keep_safe(pull: _Pull, sent_at: float, remaining_s: float) -> None:
+        # NOTE: measured from before the question was sent, minus a margin for the step that
+        # notices: P holds the blocks at least this long.
+        margin = max(0.25, 0.05 * remaining_s)
+        pull.safe_until = max(pull.safe_until, sent_at + remaining_s - margin)
+
+    def _start_read(self, pull: _Pull) -> None:
+        spec = pull.spec
+        notification = f"{spec.remote_request_id}:1".encode()
+        try:
+            pull.handle = self.transport.read_blocks(spec.remote_engine_id, spec.local_block_ids,
+                                                     spec.remote_block_ids, notification)
+        except Exception as e:
+            self._fail(pull, f"the transport refused the read: {e}")
+            return
+        pull.state = "reading"
+        pull.read_started = time.monotonic()
+
+    def _check_read(self, pull: _Pull, now: float) -> None:
+        assert pull.handle is not None
+        state = pull.handle.poll()
+        if state == TransferState.DONE:
+            self._complete(pull)
+        elif state == TransferState.ERROR:
+            self._fail(pull, f"the read failed: {pull.handle.error}")
+        elif now >= pull.deadline:
+            self._fail(pull, f"the read did not finish within {self.config.transfer_timeout_seconds:.1f} s",
+                       stat="timeouts")
+        elif now >= pull.safe_until:
+            self._fail(pull, "its lease could not be kept alive (heartbeats unanswered)", stat="timeouts")
+
+    def _complete(self, pull: _Pull) -> None:
+        spec = pull.spec
+        assert pull.handle is not None
+        pull.handle.release()
+        del self._pulls[spec.req_id]
+        results = self._results
+        results.finished.add(spec.req_id)
+        num_bytes = len(spec.local_block_ids) * self.identity.layout.block_bytes * len(self.kv_layers)
+        results.count("bytes_loaded", num_bytes)
+        results.count("tokens_loaded", len(spec.local_block_ids) * self.identity.block_size)
+        results.count("seconds_loading", time.monotonic() - pull.read_started)
+        if pull.aborted or not self.config.verify_checksum:
+            return
+        local = security.block_digests(self.kv_layers, spec.local_block_ids)
+        pairs = zip(spec.local_block_ids, local, pull.checksums, strict=True)
+        bad = [block_id for block_id, got, want in pairs if got != want]
+        if bad:
+            logger.warning("NixlConnector: request %s: %d of %d blocks failed their checksum; "
+                           "recovering per kv_load_failure_policy", spec.req_id, len(bad), len(local))
+            results.invalid_block_ids.update(bad)
+            results.count("checksum_failures")
+            results.count("load_failures")
+
+    # ---------------------------------------------------------------- endings
+
+    def _fail(self, pull: _Pull, reason: str, release: bool = True, count: bool = True,
+              stat: str | None = None) -> None:
+        """End a pull unsuccessfully. A read still in flight is cancelled first: the failure is
+        reported only once the transport says it settled, so no byte lands in a block the
+        scheduler already handed to the recompute."""
+        if pull.state == "cancelling":
+            return
+        if stat is not None:
+            self._results.count(stat)
+        peer = self._peers.get(pull.spec.remote_engine_id)
+        if release and peer is not None:
+            self._release(peer, pull.spec)
+        if pull.handle is not None and pull.handle.poll() == TransferState.PENDING:
+            pull.handle.release()  # ask the transport to cancel; some finish the read anyway
+            pull.state, pull.failure = "cancelling", reason
+            pull.deadline = time.monotonic() + self.config.transfer_timeout_seconds
+            return
+        self._report_failed(pull, reason, count)
+
+    def _check_cancelled(self, pull: _Pull, now: float) -> None:
+        assert pull.handle is not None
+        if pull.handle.poll() == TransferState.PENDING:
+            if now < pull.deadline:
+                return
+            logger.error("NixlConnector: request %s: the transport neither finished nor cancelled "
+                         "its read; reporting the failure anyway", pull.spec.req_id)
+        self._report_failed(pull, pull.failure, count=not pull.aborted)
+
+    def _report_failed(self, pull: _Pull, reason: str, count: bool) -> None:
+        if pull.handle is not None:
+            pull.handle.release()
+        self._pulls.pop(pull.spec.req_id, None)
+        if count:
+            logger.warning("NixlConnector: request %s %s; recovering per kv_load_failure_policy",
+                           pull.spec.req_id, reason)
+            self._results.count("load_failures")
+        self._results.failed.add(pull.spec.req_id)
+
+    def _fail_now(self, req_id: str, reason: str) -> None:
+        logger.warning("NixlConnector: request %s %s; recovering per kv_load_failure_policy", req_id, reason)
+        self._results.count("load_failures")
+        self._results.failed.add(req_id)
+
+    def _release(self, peer: _Peer, spec: PullSpec | None) -> None:
+        if spec is not None:
+            peer.thread.submit(lambda client: self._release_job(client, spec))
+
+    def _drop_peer(self, peer: _Peer, reason: str, retry: bool = False) -> None:
+        """Forget a peer. Its pulls fail, or with `retry` (it restarted) the ones that did not
+        start reading go through a fresh handshake: their leases decide whether they survived."""
+        if self._peers.get(peer.engine_id) is peer:
+            del self._peers[peer.engine_id]
+        peer.thread.close(timeout_s=0.0)  # NOTE: stops at its next poll; joined in close()
+        self._closing.append(peer.thread)
+        if peer.reply is not None:
+            try:
+                self.transport.remove_remote(peer.engine_id)
+            except Exception:
+                logger.exception("NixlConnector: removing engine %s from the transport failed",
+                                 peer.engine_id)
+        for pull in list(self._pulls.values()):
+            if pull.spec.remote_engine_id != peer.engine_id:
+                continue
+            if retry and pull.state in ("handshake", "pin"):
+                logger.info("NixlConnector: request %s: %s; handshaking again", pull.spec.req_id, reason)
+                pull.state = "handshake"
+                self._peer_for(pull.spec)
+            else:
+                self._fail(pull, reason, release=False)
+
+    def close(self) -> None:
+        """Cancel every pull and stop every peer thread."""
+        for pull in list(self._pulls.values()):
+            if pull.handle is not None:
+                pull.handle.release()
+        self._pulls.clear()
+        threads = [peer.thread for peer in self._peers.values()] + self._closing
+        self._peers.clear()
+        for thread in threads:
+            thread.close()
+        self._closing = []
+        self._ctx.term()
+
+
+def _layout(reply: HandshakeReply) -> RegionLayout:
+    return RegionLayout(layer_names=tuple(reply.layer_names), num_blocks=reply.num_blocks,
+                        block_bytes=reply.block_bytes, base_addresses=tuple(reply.base_addresses),
+                        device=reply.device)

@@ -1,0 +1,163 @@
+"""The pull connector's worker side: the transport, P's leases and side channel, D's pulls.
+
+Everything here that touches the transport runs on the engine thread (in start_load_kv and
+get_finished); the side-channel server thread only reads the lease table and checksums held
+blocks; D's peer threads only talk to the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+from kvrelay.kv_transfer.connectors import security
+from kvrelay.kv_transfer.connectors.nixl_leases import LeaseTable
+from kvrelay.kv_transfer.connectors.nixl_meta import (
+    HandshakeReply,
+    HeartbeatRequest,
+    LeaseStatuses,
+    NixlConnectorMetadata,
+    PinRequest,
+    ReleaseRequest,
+)
+from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, Puller
+from kvrelay.kv_transfer.connectors.side_channel import SideChannelServer, decode
+from kvrelay.outputs import KVConnectorOutput
+
+if TYPE_CHECKING:
+    import msgspec
+    import torch
+
+    from kvrelay.kv_transfer.base import KVCacheSpec
+    from kvrelay.kv_transfer.config import KVTransferConfig
+    from kvrelay.kv_transfer.connectors.nixl import NixlConfig
+    from kvrelay.kv_transfer.transport.base import KVTransport, RegionLayout
+
+logger = logging.getLogger(__name__)
+
+
+def create_transport(backend: str, transfer_config: KVTransferConfig, *, secret: bytes | None,
+                     timeout_s: float) -> KVTransport:
+    """The transport backend the config names (a seam tests replace). The TCP data port binds
+    next to the side channel (kv_ip, any free port) and authenticates with the cluster secret."""
+    from kvrelay.kv_transfer.transport import create_transport as create
+
+    if backend == "tcp":
+        return create("tcp", transfer_config.engine_id, transfer_config.kv_ip, secret=secret,
+                      timeout_s=timeout_s)
+    return create(backend, transfer_config.engine_id)
+
+
+class NixlWorker:
+    def __init__(self, transfer_config: KVTransferConfig, nixl_config: NixlConfig,
+                 keys: security.Keys, kv_spec: KVCacheSpec) -> None:
+        self.transfer_config = transfer_config
+        self.nixl_config = nixl_config
+        self.keys = keys
+        self.kv_spec = kv_spec
+        self.instance_id = secrets.token_hex(8)  # tells this process apart from a restarted one
+        self.transport: KVTransport | None = None
+        self.layout: RegionLayout | None = None
+        self.kv_layers: list[torch.Tensor] = []
+        self.leases: LeaseTable | None = None
+        self.server: SideChannelServer | None = None
+        self.puller: Puller | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_layers = [kv_caches[name] for name in self.kv_spec.layer_names]
+        self.transport = create_transport(self.nixl_config.backend, self.transfer_config,
+                                          secret=self.keys.transport,
+                                          timeout_s=self.nixl_config.transfer_timeout_seconds)
+        self.layout = self.transport.register_kv_caches(kv_caches)
+        if self.transfer_config.is_producer:
+            self.leases = LeaseTable(self.nixl_config.lease_seconds,
+                                     lambda block_ids: security.block_digests(self.kv_layers, block_ids))
+            self.server = SideChannelServer(
+                self.transfer_config.kv_ip, self.transfer_config.kv_port, self.keys.channel,
+                self.instance_id, {"handshake": self._on_handshake, "pin": self._on_pin,
+                                   "heartbeat": self._on_heartbeat, "release": self._on_release})
+        if self.transfer_config.is_consumer:
+            identity = LocalIdentity(
+                engine_id=self.transfer_config.engine_id, backend=self.nixl_config.backend,
+                block_size=self.kv_spec.block_size, fingerprint_digest=self.kv_spec.fingerprint_digest(),
+                fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout)
+            self.puller = Puller(self.transport, identity, self.nixl_config, self.keys.channel,
+                                 self.kv_layers)
+
+    # ---------------------------------------------------------------- every step (engine thread)
+
+    def start_load_kv(self, meta: NixlConnectorMetadata) -> None:
+        if meta.leases:
+            assert self.leases is not None, "leases reached a worker that is not a producer"
+            for lease in meta.leases:
+                self.leases.add(lease)
+        if meta.pulls or meta.aborted_pulls:
+            assert self.puller is not None, "pulls reached a worker that is not a consumer"
+            for pull in meta.pulls:
+                self.puller.start(pull)
+            for req_id in meta.aborted_pulls:
+                self.puller.abort(req_id)
+
+    def get_finished(self) -> KVConnectorOutput:
+        output = KVConnectorOutput()
+        if self.leases is not None and self.transport is not None:
+            for notification in self.transport.get_notifications():
+                self.leases.on_notification(notification)
+            ended, num_expired = self.leases.take_ended()
+            output.finished_sending = ended
+            if num_expired:
+                output.stats["lease_expired"] = num_expired
+        if self.puller is not None:
+            pulled = self.puller.poll()
+            output.finished_recving = pulled.finished
+            output.failed_recving = pulled.failed
+            output.invalid_block_ids = pulled.invalid_block_ids
+            output.stats.update(pulled.stats)
+        return output
+
+    def has_pending_work(self) -> bool:
+        return bool(self.leases) or (self.puller is not None and self.puller.has_pending())
+
+    # ---------------------------------------------------------------- side channel (server thread)
+
+    def _on_handshake(self, body: bytes) -> tuple[str, msgspec.Struct]:
+        assert self.layout is not None and self.transport is not None and self.leases is not None
+        layout = self.layout
+        return "handshake_reply", HandshakeReply(
+            engine_id=self.transfer_config.engine_id, instance_id=self.instance_id,
+            backend=self.nixl_config.backend, agent_metadata=self.transport.agent_metadata(),
+            layer_names=list(layout.layer_names), num_blocks=layout.num_blocks,
+            block_bytes=layout.block_bytes, base_addresses=list(layout.base_addresses),
+            device=layout.device, block_size=self.kv_spec.block_size,
+            fingerprint_digest=self.kv_spec.fingerprint_digest(), fingerprint=dict(self.kv_spec.fingerprint),
+            lease_seconds=self.leases.lease_seconds)
+
+    def _on_pin(self, body: bytes) -> tuple[str, msgspec.Struct]:
+        assert self.leases is not None
+        return "lease", self.leases.pin(decode(body, PinRequest))
+
+    def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
+        assert self.leases is not None
+        return "leases", LeaseStatuses(statuses=self.leases.touch(decode(body, HeartbeatRequest).leases))
+
+    def _on_release(self, body: bytes) -> tuple[str, msgspec.Struct]:
+        assert self.leases is not None
+        return "lease", self.leases.release(decode(body, ReleaseRequest))
+
+    # ---------------------------------------------------------------- shutdown
+
+    def close(self) -> set[str]:
+        """Stop the side channel and the peer threads, close the transport. Returns the requests
+        whose leases ended with it (their blocks may be freed)."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.puller is not None:
+            self.puller.close()
+            self.puller = None
+        ended = self.leases.release_all() if self.leases is not None else set()
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        return ended

@@ -1,0 +1,221 @@
+"""Secrets, keys, signed kv_transfer_params and KV block checksums for the pull connector.
+
+One shared secret per cluster (`KVRELAY_KV_SECRET`, or the file named by `secret_file`) yields
+two keys: one authenticates every side-channel message, the other signs the kv_transfer_params
+a prefill instance hands out. Without a secret both keys are derived from the empty string, so
+they are public: messages and params are then protected against accidents (a stale or mangled
+params, a peer from another cluster version), not against forgery. That mode is therefore
+restricted to loopback: the side channel binds to and talks to loopback addresses only.
+
+Whatever the mode, a params cannot make a decode instance read another request's KV: the
+prefill instance checks every read against its own lease (a random lease id, the block ids it
+issued and a digest of the prompt tokens) before it lets it happen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvrelay import env
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+MIN_SECRET_CHARS = 16
+PARAMS_VERSION = 1
+# The params fields (besides the signature) that the signature covers, in signing order.
+SIGNED_PARAM_FIELDS = ("remote_request_id", "remote_engine_id", "remote_lease_id", "remote_block_ids",
+                       "remote_num_tokens", "remote_block_size", "remote_lease_expiry_ms",
+                       "remote_host", "remote_port")
+
+
+@dataclass(frozen=True)
+class Keys:
+    channel: bytes  # HMAC-SHA256 key of every side-channel message
+    params: bytes  # HMAC-SHA256 key of kv_transfer_params
+    authenticated: bool  # False: no secret was configured; the keys are public
+    transport: bytes | None = None  # the transport's own authentication secret (None: none)
+
+
+def load_keys(secret_file: str | None) -> Keys:
+    """Keys from `secret_file` (wins) or KVRELAY_KV_SECRET; public keys when neither is set."""
+    secret = _read_secret_file(secret_file) if secret_file is not None else env.kv_secret()
+    if secret is not None and len(secret) < MIN_SECRET_CHARS:
+        source = secret_file or "KVRELAY_KV_SECRET"
+        raise ValueError(f"the KV transfer secret from {source} has {len(secret)} characters; use at "
+                         f"least {MIN_SECRET_CHARS} (e.g. `python -c 'import secrets; "
+                         "print(secrets.token_hex(32))'`)")
+    raw = (secret or "").encode()
+    return Keys(channel=_derive(raw, b"kvrelay side channel v1"),
+                params=_derive(raw, b"kvrelay kv_transfer_params v1"),
+                authenticated=secret is not None,
+                transport=_derive(raw, b"kvrelay transport v1") if secret is not None else None)
+
+
+def _read_secret_file(path: str) -> str:
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the KV transfer secret_file {path!r}: {e.strerror}") from None
+    if not secret:
+        raise ValueError(f"the KV transfer secret_file {path!r} is empty")
+    return secret
+
+
+def _derive(secret: bytes, label: bytes) -> bytes:
+    return hmac.new(secret, label, hashlib.sha256).digest()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_kv_ip(kv_ip: str, keys: Keys, warn: bool = True) -> None:
+    """A side channel reachable from other machines must be authenticated."""
+    if keys.authenticated:
+        return
+    if not is_loopback(kv_ip):
+        raise ValueError(
+            f"kv_ip={kv_ip!r} is reachable from other machines, but no KV transfer secret is set: "
+            "set KVRELAY_KV_SECRET (or kv_connector_extra_config.secret_file) on every instance "
+            "of the cluster, or use kv_ip='127.0.0.1'")
+    if warn:
+        logger.warning("no KV transfer secret (KVRELAY_KV_SECRET / secret_file) is set: the KV side "
+                       "channel is unauthenticated and restricted to loopback (%s)", kv_ip)
+
+
+def advertised_host(kv_ip: str) -> str:
+    """The address peers should dial: kv_ip, unless it is a wildcard bind address."""
+    if kv_ip in ("0.0.0.0", "::", ""):
+        return socket.gethostbyname(socket.gethostname())
+    return kv_ip
+
+
+# ---------------------------------------------------------------- kv_transfer_params
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """Binds a lease and a params to the prompt whose KV they carry (never sent in the params)."""
+    return hashlib.blake2b(msgspec.msgpack.encode(list(token_ids)), digest_size=16).digest()
+
+
+def _params_message(params: Mapping[str, Any], token_ids: Sequence[int]) -> bytes:
+    fields = [params.get(name) for name in SIGNED_PARAM_FIELDS]
+    return msgspec.msgpack.encode([PARAMS_VERSION, *fields, prompt_digest(token_ids)])
+
+
+def sign_params(params: Mapping[str, Any], token_ids: Sequence[int], key: bytes) -> str:
+    return hmac.new(key, _params_message(params, token_ids), hashlib.sha256).hexdigest()
+
+
+def check_params(params: Mapping[str, Any], token_ids: Sequence[int], block_size: int,
+                 key: bytes, now: float | None = None) -> str | None:
+    """Why a decode instance must not use these params, or None when they are sound.
+
+    Checks the shape (every prompt block named once, same block size, the same prompt length),
+    the signature (which also binds the prompt tokens) and the expiry. The peer's pool size is
+    only known after the handshake and is checked then.
+    """
+    signature = params.get("signature")
+    if not isinstance(signature, str):
+        return "the params are unsigned (no 'signature')"
+    shape_error = _shape_error(params, len(token_ids), block_size)
+    if shape_error is not None:
+        return shape_error
+    try:
+        valid = hmac.compare_digest(signature, sign_params(params, token_ids, key))
+    except (TypeError, ValueError, msgspec.EncodeError):
+        valid = False
+    if not valid:
+        return "the params signature is invalid (forged, altered, or another prompt's params)"
+    now = time.time() if now is None else now
+    expiry_ms = params["remote_lease_expiry_ms"]
+    if now * 1000 >= expiry_ms:
+        return f"the params expired {now - expiry_ms / 1000:.1f} s ago"
+    return None
+
+
+def _shape_error(params: Mapping[str, Any], num_prompt_tokens: int, block_size: int) -> str | None:
+    num_tokens = params.get("remote_num_tokens")
+    block_ids = params.get("remote_block_ids")
+    if num_tokens != num_prompt_tokens:
+        return f"the params carry {num_tokens} tokens, the prompt has {num_prompt_tokens}"
+    if params.get("remote_block_size") != block_size:
+        return f"the peer's block size is {params.get('remote_block_size')}, ours is {block_size}"
+    num_blocks = -(-num_prompt_tokens // block_size)
+    if not isinstance(block_ids, list) or len(block_ids) != num_blocks:
+        return (f"the params name {len(block_ids or [])} blocks for {num_prompt_tokens} tokens "
+                f"(need {num_blocks})")
+    if len(set(block_ids)) != len(block_ids) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
+        return f"the params' remote_block_ids are not distinct block ids: {block_ids}"
+    for name in ("remote_request_id", "remote_engine_id", "remote_lease_id", "remote_host"):
+        if not isinstance(params.get(name), str) or not params.get(name):
+            return f"the params lack {name}"
+    if not all(isinstance(params.get(name), int) for name in ("remote_port", "remote_lease_expiry_ms")):
+        return "the params lack remote_port or remote_lease_expiry_ms"
+    return None
+
+
+# ---------------------------------------------------------------- checksums
+
+# NOTE: odd weights make a position-weighted sum (mod 2**64) change under any single-word
+# corruption, and under swaps of words within a block; derived arithmetically, not from a RNG,
+# so two torch versions agree.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+_weight_cache: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _weights(num_words: int, device: torch.device) -> torch.Tensor:
+    import torch
+
+    key = (num_words, str(device))
+    weights = _weight_cache.get(key)
+    if weights is None:
+        weights = (torch.arange(1, num_words + 1, dtype=torch.int64, device=device) * _GOLDEN) | 1
+        _weight_cache[key] = weights
+    return weights
+
+
+def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[int]:
+    """One 64-bit checksum per block over every layer's bytes of it (K and V).
+
+    A weighted sum of the blocks' 64-bit words: memory-bound and about as fast as a copy, which
+    a cryptographic hash is not (blake2b runs at ~0.5 GB/s here). It detects corruption, not an
+    adversary: integrity against an adversary comes from the authenticated side channel.
+    """
+    import torch
+
+    if not block_ids:
+        return []
+    device = kv_layers[0].device
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    total = torch.zeros(len(block_ids), dtype=torch.int64, device=device)
+    for kv in kv_layers:
+        blocks = kv.index_select(0, index).reshape(len(block_ids), -1)  # [n, 2 * H_kv * bs * D]
+        raw = blocks.view(torch.uint8)  # [n, block_bytes]
+        if raw.shape[1] % 8 == 0:
+            words = raw.view(torch.int64)  # [n, block_bytes / 8]
+        else:
+            words = raw.to(torch.int64)  # [n, block_bytes]: odd sizes, slow but correct
+        layer_sum = (words * _weights(words.shape[1], device)).sum(dim=1)  # [n]
+        total = total * 1000003 + layer_sum
+    return [int(x) for x in total.tolist()]

@@ -1,0 +1,94 @@
+"""NixlConnector between real P and D engine processes on loopback, over the real transports
+(TCP always, NIXL where it is importable)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.kv_transfer.nixl.engine_proc import EngineProcess
+from tests.kv_transfer.nixl.pd import (
+    BLOCK_SIZE,
+    PREFILL_PARAMS,
+    make_engine,
+    nixl_config,
+    prompt,
+    reference_tokens,
+)
+
+SECRET = {"KVRELAY_KV_SECRET": "process-test-secret-0123456789"}
+
+
+def _backend_available(backend: str) -> bool:
+    try:
+        from kvrelay.kv_transfer.transport import create_transport  # noqa: F401
+    except ImportError:
+        return False
+    return backend == "tcp" or importlib.util.find_spec("nixl") is not None
+
+
+BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _backend_available(b), reason=f"no {b} transport"))
+            for b in ("tcp", "nixl")]
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    return make_engine(None)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[EngineProcess]]:
+    """Started engine processes; each must end with no block in use and no thread left."""
+    started: list[EngineProcess] = []
+    yield started
+    for proc in started:
+        if proc.process.is_alive():
+            assert proc.wait_idle()["blocks_in_use"] == 0
+            assert proc.stop() == []
+        proc.kill()
+
+
+def _prefill(p: EngineProcess, request_id: str, tokens: list[int]) -> dict[str, Any]:
+    out = p.generate(request_id, tokens, 1, dict(PREFILL_PARAMS))
+    assert out["kv_transfer_params"] is not None, out
+    return out["kv_transfer_params"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_processes_reproduce_single_instance_tokens(processes, reference, backend) -> None:
+    p = EngineProcess(nixl_config("kv_producer", backend=backend), SECRET)
+    processes.append(p)
+    d = EngineProcess(nixl_config("kv_consumer", backend=backend), SECRET)
+    processes.append(d)
+    prompts = {"short": prompt(BLOCK_SIZE - 1, 30), "exact": prompt(3 * BLOCK_SIZE, 31),
+               "partial": prompt(3 * BLOCK_SIZE + 2, 32)}
+    params = {rid: _prefill(p, f"p-{rid}", tokens) for rid, tokens in prompts.items()}
+    for rid, tokens in prompts.items():  # concurrently on D
+        d.add(rid, tokens, 5, params[rid])
+    got = {rid: d.result(rid)["token_ids"] for rid in prompts}
+    assert got == reference_tokens(reference, prompts, 5)
+    # A full local prefix hit on D (its cache is warm from "exact"): only the notification.
+    hit = prompt(3 * BLOCK_SIZE, 31) + [7]
+    out = d.generate("hit", hit, 3, _prefill(p, "p-hit", hit))
+    assert out["token_ids"] == reference_tokens(reference, {"hit": hit}, 3)["hit"]
+    assert d.stats()["kv_load_failures"] == 0
+    assert p.wait_idle()["kv_lease_expired"] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_p_killed_mid_flight_d_recomputes(processes, reference, backend) -> None:
+    p = EngineProcess(nixl_config("kv_producer", backend=backend), SECRET)
+    processes.append(p)
+    d = EngineProcess(nixl_config("kv_consumer", backend=backend, transfer_timeout_seconds=2.0), SECRET)
+    processes.append(d)
+    first = prompt(2 * BLOCK_SIZE + 1, 33)
+    assert d.generate("first", first, 2, _prefill(p, "p-first", first))["finish_reason"] == "length"
+    tokens = prompt(3 * BLOCK_SIZE + 1, 34)
+    params = _prefill(p, "p-dead", tokens)
+    p.kill()  # after the handshake, before D asks for this request's blocks
+    out = d.generate("dead", tokens, 4, params)
+    assert out["token_ids"] == reference_tokens(reference, {"dead": tokens}, 4)["dead"]
+    assert d.stats()["kv_load_failures"] == 1

@@ -1,0 +1,234 @@
+"""NixlConnector security: authenticated side channel, signed params, refusals of bad peers.
+A refused transfer must end in a local recompute (or a clear error with policy "fail"), never in
+reading KV that is not the prompt's."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvrelay.config import EngineConfig
+from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorRole
+from kvrelay.kv_transfer.config import KVTransferConfig
+from kvrelay.kv_transfer.connectors import security
+from kvrelay.kv_transfer.connectors.nixl import NixlConfig
+from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeRequest
+from kvrelay.kv_transfer.connectors.side_channel import (
+    ReplayGuard,
+    SideChannelClient,
+    SideChannelError,
+    SideChannelServer,
+    new_envelope,
+    seal,
+    unseal,
+)
+from kvrelay.kv_transfer.factory import create_connector
+from tests.kv_transfer.nixl.pd import BLOCK_SIZE, free_port, prompt, reference_tokens
+
+SECRET = "s3cret-for-tests-0123456789"
+
+
+def _sign(params: dict, tokens: list[int], secret: str | None = SECRET) -> dict:  # type: ignore[type-arg]
+    keys = security.Keys(b"", security._derive((secret or "").encode(), b"kvrelay kv_transfer_params v1"),
+                         secret is not None)
+    return {**params, "signature": security.sign_params(params, tokens, keys.params)}
+
+
+# ---------------------------------------------------------------- side channel
+
+
+def _echo_server(key: bytes, port: int) -> SideChannelServer:
+    return SideChannelServer("127.0.0.1", port, key, "inst", {
+        "handshake": lambda body: ("handshake_reply",
+                                   HandshakeRequest(engine_id="p", expected_engine_id="p"))})
+
+
+def test_side_channel_round_trip_is_authenticated_both_ways() -> None:
+    key = b"k" * 32
+    port = free_port()
+    server = _echo_server(key, port)
+    ctx = zmq.Context()
+    client = SideChannelClient(ctx, "127.0.0.1", port, key)
+    try:
+        reply = client.call("handshake", HandshakeRequest(engine_id="d", expected_engine_id="p"), 5)
+        assert reply.kind == "handshake_reply" and reply.sender == "inst"
+    finally:
+        client.close()
+        server.close()
+        ctx.term()
+
+
+def test_side_channel_refuses_a_client_with_the_wrong_secret() -> None:
+    port = free_port()
+    server = _echo_server(b"right" * 8, port)
+    ctx = zmq.Context()
+    client = SideChannelClient(ctx, "127.0.0.1", port, b"wrong" * 8)
+    try:
+        with pytest.raises(SideChannelError, match="authentication failed.*KVRELAY_KV_SECRET"):
+            client.call("handshake", HandshakeRequest(engine_id="d", expected_engine_id="p"), 5)
+    finally:
+        client.close()
+        server.close()
+        ctx.term()
+
+
+def test_a_tampered_or_replayed_message_is_refused() -> None:
+    key = b"k" * 32
+    frames = seal(key, new_envelope("pin", HandshakeRequest(engine_id="d", expected_engine_id="p"), ""))
+    assert unseal(key, frames).kind == "pin"
+    with pytest.raises(SideChannelError, match="authentication failed"):
+        unseal(key, [frames[0].replace(b"pin", b"pim"), frames[1]])
+    guard = ReplayGuard()
+    envelope = unseal(key, frames)
+    assert guard.check(envelope) is None
+    assert guard.check(envelope) == "replayed message"
+    stale = msgspec.structs.replace(envelope, sent_at=time.time() - 3600, nonce=b"other")
+    assert "stale" in (guard.check(stale) or "")
+
+
+# ---------------------------------------------------------------- start-up checks
+
+
+def _connector(kv_ip: str, extra: dict | None = None, role: KVConnectorRole = KVConnectorRole.SCHEDULER):  # type: ignore[no-untyped-def,type-arg]
+    transfer = KVTransferConfig.from_any({"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                                          "kv_ip": kv_ip, "kv_connector_extra_config": extra or {}})
+    spec = KVCacheSpec(block_size=4, num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    return create_connector(EngineConfig(kv_transfer=transfer), role, spec)
+
+
+def test_non_loopback_side_channel_without_a_secret_is_a_startup_error(monkeypatch) -> None:
+    monkeypatch.delenv("KVRELAY_KV_SECRET", raising=False)
+    with pytest.raises(ValueError, match="no KV transfer secret.*KVRELAY_KV_SECRET"):
+        _connector("0.0.0.0")
+    monkeypatch.setenv("KVRELAY_KV_SECRET", SECRET)
+    _connector("0.0.0.0")  # with a secret it may listen on every interface
+
+
+def test_secret_file_and_bad_extra_config_are_checked(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("KVRELAY_KV_SECRET", raising=False)
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    with pytest.raises(ValueError, match="at least 16"):
+        _connector("0.0.0.0", {"secret_file": str(short)})
+    good = tmp_path / "good"
+    good.write_text(SECRET + "\n")
+    assert security.load_keys(str(good)).authenticated
+    with pytest.raises(ValueError, match="cannot read"):
+        _connector("127.0.0.1", {"secret_file": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="unknown NixlConnector extra config key.*'lease_secs'"):
+        NixlConfig.from_extra_config({"lease_secs": 3})
+    with pytest.raises(ValueError, match="lease_seconds must be a number > 0"):
+        NixlConfig.from_extra_config({"lease_seconds": 0})
+    with pytest.raises(ValueError, match="backend must be one of"):
+        NixlConfig.from_extra_config({"backend": "carrier-pigeon"})
+
+
+# ---------------------------------------------------------------- params
+
+
+def test_params_check_refuses_unsigned_forged_expired_and_other_prompts() -> None:
+    keys = security.Keys(b"", b"p" * 32, True)
+    tokens = prompt(9)
+    params = {"remote_request_id": "r", "remote_engine_id": "e", "remote_lease_id": "1-ab",
+              "remote_block_ids": [3, 4, 5], "remote_num_tokens": 9, "remote_block_size": 4,
+              "remote_lease_expiry_ms": int(time.time() * 1000) + 10_000, "remote_host": "127.0.0.1",
+              "remote_port": 1}
+    signed = {**params, "signature": security.sign_params(params, tokens, keys.params)}
+    assert security.check_params(signed, tokens, 4, keys.params) is None
+    assert "unsigned" in (security.check_params(params, tokens, 4, keys.params) or "")
+    forged = {**signed, "remote_block_ids": [7, 4, 5]}
+    assert "signature is invalid" in (security.check_params(forged, tokens, 4, keys.params) or "")
+    other_prompt = [*tokens[:-1], tokens[-1] + 1]
+    assert "signature is invalid" in (security.check_params(signed, other_prompt, 4, keys.params) or "")
+    assert "expired" in (security.check_params(signed, tokens, 4, keys.params, now=time.time() + 60) or "")
+    assert "tokens" in (security.check_params(signed, tokens[:-1], 4, keys.params) or "")
+    assert "block size" in (security.check_params(signed, tokens, 8, keys.params) or "")
+
+
+def test_checksum_sees_any_changed_word_and_swapped_blocks() -> None:
+    import torch
+
+    kv = [torch.randn(8, 2, 2, 4, 16) for _ in range(2)]
+    sums = security.block_digests(kv, [1, 2, 3])
+    assert sums == security.block_digests([t.clone() for t in kv], [1, 2, 3])
+    kv[1][2, 1, 0, 3, 5] += 1e-3
+    assert security.block_digests(kv, [1, 2, 3])[1] != sums[1]
+    assert security.block_digests(kv, [1, 2, 3])[0] == sums[0]
+    assert security.block_digests(kv, [3, 1]) != [sums[0], sums[2]]
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def secret(monkeypatch) -> str:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVRELAY_KV_SECRET", SECRET)
+    return SECRET
+
+
+@pytest.mark.parametrize("tamper", ["unsigned", "forged", "expired", "out_of_range", "other_lease",
+                                    "other_prompt"])
+def test_bad_params_recompute_locally(make_pd, reference, secret, tamper, caplog) -> None:
+    pd = make_pd(p_extra={"lease_seconds": 1.0})  # the leases D never touches end soon
+    tokens = prompt(3 * BLOCK_SIZE + 1, salt=20)
+    other = prompt(3 * BLOCK_SIZE + 1, salt=21)
+    params = pd.prefill(tokens, "p-good")
+    other_params = pd.prefill(other, "p-other")
+    assert params is not None and other_params is not None
+    unsigned = {k: v for k, v in params.items() if k != "signature"}
+    far_blocks = [10_000 + b for b in params["remote_block_ids"]]
+    bad = {
+        "unsigned": unsigned,
+        "forged": {**params, "remote_block_ids": other_params["remote_block_ids"]},
+        "expired": _sign({**unsigned, "remote_lease_expiry_ms": int(time.time() * 1000) - 1}, tokens),
+        "out_of_range": _sign({**unsigned, "remote_block_ids": far_blocks}, tokens),
+        # correctly signed (the attacker knows the secret) but naming another request's blocks:
+        # P's lease check refuses the pin.
+        "other_lease": _sign({**unsigned, "remote_block_ids": other_params["remote_block_ids"]}, tokens),
+        "other_prompt": other_params,
+    }[tamper]
+    with caplog.at_level(logging.WARNING):
+        out = pd.decode({"x": (tokens, bad)}, max_tokens=4)["x"]
+    assert out.outputs[0].token_ids == reference_tokens(reference, {"x": tokens}, 4)["x"]
+    assert pd.d.get_stats()["kv_load_failures"] == 1
+    assert pd.d.get_stats()["kv_transfer_bytes"] == 0  # nothing was read
+    assert "recovering per kv_load_failure_policy" in caplog.text
+
+
+def test_bad_params_with_policy_fail_end_the_request_with_an_error(make_pd, secret) -> None:
+    pd = make_pd(d_policy="fail")
+    tokens = prompt(2 * BLOCK_SIZE + 1, salt=22)
+    params = pd.prefill(tokens, "p-f")
+    assert params is not None
+    forged = {**params, "remote_num_tokens": params["remote_num_tokens"], "remote_lease_id": "0-00"}
+    out = pd.decode({"f": (tokens, forged)}, max_tokens=4)["f"]
+    assert out.outputs[0].finish_reason == "error"
+    assert out.error
+    pd.decode({"ok": (tokens, params)}, max_tokens=2)  # the genuine params still work
+
+
+def test_wrong_secret_on_d_recomputes(make_pd, reference, monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("KVRELAY_KV_SECRET", SECRET)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("another-secret-0123456789\n")
+    pd = make_pd(d_extra={"secret_file": str(wrong)}, p_extra={"lease_seconds": 1.0})
+    tokens = prompt(2 * BLOCK_SIZE + 1, salt=23)
+    params = pd.prefill(tokens, "p-ws")
+    with caplog.at_level(logging.WARNING):
+        out = pd.decode({"ws": (tokens, params)}, max_tokens=4)["ws"]
+    assert out.outputs[0].token_ids == reference_tokens(reference, {"ws": tokens}, 4)["ws"]
+    assert "signature is invalid" in caplog.text
+
+
+def test_fingerprint_mismatch_is_refused_with_a_clear_error(make_pd, reference, caplog) -> None:
+    pd = make_pd(p_model={"num_hidden_layers": 3}, p_extra={"lease_seconds": 1.0})
+    tokens = prompt(2 * BLOCK_SIZE + 1, salt=24)
+    params = pd.prefill(tokens, "p-fp")
+    with caplog.at_level(logging.WARNING):
+        out = pd.decode({"fp": (tokens, params)}, max_tokens=4)["fp"]
+    assert out.outputs[0].token_ids == reference_tokens(reference, {"fp": tokens}, 4)["fp"]
+    assert "runs another model or KV format" in caplog.text
