@@ -92,8 +92,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
-                        stop_reason: int | str | None = None) -> None:
-        """Finish requests from outside the step (abort, stop string). Unknown ids are ignored."""
+                        stop_reason: int | str | None = None, report: bool = True) -> None:
+        """Finish requests from outside the step (abort, stop string). Unknown ids are ignored.
+        With report=False no output is produced (the caller already told the user)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for req_id in ids:
             req = self.requests.get(req_id)
@@ -106,7 +107,8 @@ class Scheduler:
             req.status = status
             req.stop_reason = stop_reason
             params = self._free_request(req)
-            self._pending_outputs.append(self._make_output(req, [], [], params))
+            if report:
+                self._pending_outputs.append(self._make_output(req, [], [], params))
 
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:

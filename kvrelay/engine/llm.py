@@ -100,7 +100,19 @@ class LLM:
         finally:
             bar.close()
             unfinished = [rid for rid in request_ids if rid not in final]
-            if unfinished:  # interrupted: leave nothing behind in the engine
+            if unfinished:  # interrupted: leave nothing of these requests in the engine
                 self.engine.abort_request(unfinished)
-            self.engine.run_until_idle()
+                self.engine.step()
+        # NOTE: blocks a connector still holds (a producer waiting for its consumer to read)
+        # settle in later steps; `self.engine.run_until_idle()` waits for them.
         return [final[rid] for rid in request_ids]
+
+    def shutdown(self) -> None:
+        """Stop the connectors' background threads (side channels, transports)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -142,7 +142,8 @@ class LLMEngine:
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs)
         for req_id, stop in stopped.items():  # a stop string ends the request outside the step
-            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+            self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop,
+                                           report=False)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -159,6 +160,12 @@ class LLMEngine:
                 raise TimeoutError("the engine still has pending work after "
                                    f"{timeout_s:.0f} s: {self.scheduler.stats.as_dict()}")
             self.step()
+
+    def shutdown(self) -> None:
+        """Stop the connectors' threads and transports. Idempotent; the engine is unusable after."""
+        for connector in (self.scheduler.connector, self.runner.connector):
+            if connector is not None:
+                connector.shutdown()
 
     # ----------------------------------------------------------------------------- introspection
     @property

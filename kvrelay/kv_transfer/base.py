@@ -247,6 +247,11 @@ class KVConnectorBase(ABC):
         stats, self._stats = self._stats, {}
         return stats
 
+    def shutdown(self) -> None:
+        """Release threads, sockets and transport resources. Called once when the engine
+        stops, on both halves; must be idempotent. Default: nothing to release."""
+        return None
+
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

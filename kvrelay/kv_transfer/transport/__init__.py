@@ -1,0 +1,66 @@
+"""Transports under the pull connector: `create_transport` builds one by name.
+
+Importing this package imports neither NIXL nor torch; `create_transport("nixl", ...)` imports
+NIXL only then.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay.kv_transfer.transport.base import (
+    FinishedTransfer,
+    KVTransport,
+    RegionLayout,
+    TransferHandle,
+    TransferState,
+    TransportError,
+)
+
+TRANSPORTS = ("nixl", "tcp")
+
+
+def nixl_available() -> bool:
+    """Whether the NIXL Python API can be imported here."""
+    from kvrelay.kv_transfer.transport.nixl import nixl_available as available
+
+    return available()
+
+
+def default_transport() -> str:
+    """"nixl" where NIXL is importable, else the built-in "tcp"."""
+    return "nixl" if nixl_available() else "tcp"
+
+
+def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port: int = 0,
+                     secret: bytes | None = None, **options: Any) -> KVTransport:
+    """A transport by name. `host`/`port`/`secret` configure the TCP data port (NIXL finds its
+    own UCX addresses and ignores them); `options` go to the backend's constructor."""
+    if name == "tcp":
+        from kvrelay.kv_transfer.transport.tcp import TcpTransport
+
+        return TcpTransport(engine_id, host, port, secret=secret, **options)
+    if name == "nixl":
+        from kvrelay.kv_transfer.transport.nixl import NixlTransport, import_nixl
+
+        try:
+            import_nixl()
+        except ImportError as e:
+            raise ValueError("transport 'nixl' needs NIXL: pip install 'kvrelay[nixl]', "
+                             "or use transport 'tcp'") from e
+        return NixlTransport(engine_id, **options)
+    raise ValueError(f"unknown transport {name!r}; choose one of {TRANSPORTS}")
+
+
+__all__ = [
+    "TRANSPORTS",
+    "FinishedTransfer",
+    "KVTransport",
+    "RegionLayout",
+    "TransferHandle",
+    "TransferState",
+    "TransportError",
+    "create_transport",
+    "default_transport",
+    "nixl_available",
+]

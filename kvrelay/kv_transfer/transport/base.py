@@ -1,0 +1,161 @@
+"""The transport interface under the pull connector: one-sided block reads with notifications.
+
+A transport moves KV blocks from a remote instance's registered KV tensors into local ones.
+The side that owns the blocks (P) only registers memory and answers; the side that wants them
+(D) issues reads. A read carries a notification string that the owner receives once the read
+has completed, which is how P learns it may free the blocks.
+
+KV layout (fixed for the engine): per layer one tensor [num_blocks, 2, H_kv, block_size, D], so
+block b of layer l starts at base_address(l) + b * block_bytes and is contiguous.
+
+Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU) and a built-in TCP
+backend. Both are pulls: D asks, P's side streams the requested blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """What a peer needs to address this instance's blocks (sent in the handshake)."""
+
+    layer_names: tuple[str, ...]
+    num_blocks: int
+    block_bytes: int  # bytes of one block of one layer (K and V)
+    base_addresses: tuple[int, ...]  # per layer; informational for TCP, used by NIXL
+    device: str = "cpu"
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+class TransferHandle(ABC):
+    """One in-flight read. Poll it until DONE or ERROR, then release it."""
+
+    @abstractmethod
+    def poll(self) -> TransferState: ...
+
+    @abstractmethod
+    def release(self) -> None:
+        """Free transport resources; after ERROR the local blocks' contents are undefined."""
+
+    @property
+    def error(self) -> str | None:
+        return None
+
+
+class TransportError(RuntimeError):
+    """A transport failed in a way the caller can act on (unknown peer, refused connection)."""
+
+
+class FinishedTransfer(TransferHandle):
+    """A read that ended before it started: an empty read whose notification went out (DONE),
+    or one that could not start, e.g. from an unknown remote (ERROR with the reason)."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self._error = error
+
+    def poll(self) -> TransferState:
+        return TransferState.DONE if self._error is None else TransferState.ERROR
+
+    def release(self) -> None:
+        pass
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor]) -> RegionLayout:
+    """The layout of per-layer KV tensors [num_blocks, 2, H_kv, block_size, D], checked to be
+    contiguous, alike across layers and on one device."""
+    if not kv_caches:
+        raise ValueError("no KV caches to register")
+    tensors = list(kv_caches.values())
+    first = tensors[0]
+    for name, kv in kv_caches.items():
+        if not kv.is_contiguous():
+            raise ValueError(f"KV cache of layer {name} must be contiguous to be read block by block")
+        if kv.shape != first.shape or kv.dtype != first.dtype or kv.device != first.device:
+            raise ValueError(f"KV cache of layer {name} is {tuple(kv.shape)} {kv.dtype} on {kv.device}, "
+                             f"unlike the first layer's {tuple(first.shape)} {first.dtype} on {first.device}")
+    num_blocks = first.shape[0]
+    return RegionLayout(layer_names=tuple(kv_caches), num_blocks=num_blocks,
+                        block_bytes=first.numel() * first.element_size() // num_blocks,
+                        base_addresses=tuple(kv.data_ptr() for kv in tensors), device=str(first.device))
+
+
+def check_read(local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+               local_num_blocks: int, remote_num_blocks: int) -> None:
+    """Raise ValueError unless the two id lists pair up and every id is inside its pool."""
+    if len(local_block_ids) != len(remote_block_ids):
+        raise ValueError(f"a read pairs local and remote blocks one to one, got {len(local_block_ids)} "
+                         f"local and {len(remote_block_ids)} remote block ids")
+    for side, ids, num_blocks in (("local", local_block_ids, local_num_blocks),
+                                  ("remote", remote_block_ids, remote_num_blocks)):
+        bad = [b for b in ids if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"{side} block ids {bad[:8]} are outside the pool of {num_blocks} blocks")
+
+
+def check_compatible(local: RegionLayout, remote: RegionLayout) -> None:
+    """Raise ValueError unless a remote's blocks can be copied byte for byte into ours."""
+    if len(local.layer_names) != len(remote.layer_names) or local.block_bytes != remote.block_bytes:
+        raise ValueError(f"remote KV layout ({len(remote.layer_names)} layers of {remote.block_bytes}-byte "
+                         f"blocks) differs from the local one ({len(local.layer_names)} layers of "
+                         f"{local.block_bytes}-byte blocks)")
+
+
+class KVTransport(ABC):
+    """A backend that both serves (P) and pulls (D) blocks. Not thread-safe unless noted:
+    the connector calls it from the engine thread."""
+
+    name: str
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> RegionLayout:
+        """Register the local KV tensors (once) and prepare per-layer block descriptors, so a
+        read later only picks block indices. Returns this side's layout for the handshake."""
+
+    @abstractmethod
+    def agent_metadata(self) -> bytes:
+        """An opaque blob a peer passes to add_remote to reach this side (NIXL agent metadata,
+        or host:port for TCP)."""
+
+    @abstractmethod
+    def add_remote(self, remote_engine_id: str, agent_metadata: bytes, layout: RegionLayout) -> None:
+        """Connect to a peer learnt from the handshake; idempotent per remote engine id."""
+
+    @abstractmethod
+    def remove_remote(self, remote_engine_id: str) -> None:
+        """Forget a peer (it restarted or died); later reads from it fail."""
+
+    @abstractmethod
+    def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
+        """Start reading remote blocks (every layer) into local blocks, pairwise. The owner
+        receives `notification` once the read completed. An empty list only sends the
+        notification. Returns immediately.
+
+        Raises ValueError for a malformed request (lengths differ, a block id out of range);
+        a read from an unknown or removed remote returns a handle already in ERROR."""
+
+    @abstractmethod
+    def get_notifications(self) -> list[bytes]:
+        """Notifications received since the last call (on the owner's side)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads, deregister memory, close sockets. Idempotent."""

@@ -1,0 +1,252 @@
+"""The NIXL transport: one-sided READs over UCX (host DRAM here, device memory on a GPU).
+
+Every layer's KV tensor is registered once. Descriptor lists are prepared once per region:
+locally at registration, for a peer when it is added, one descriptor per (layer, block):
+
+    descriptor index  l * num_blocks + b   ->   (base_address(l) + b * block_bytes, block_bytes)
+
+so a read only computes two index lists and posts one prepared transfer carrying the
+notification. An empty read sends the notification alone.
+
+NOTE: the agent's own progress thread is off (it busy-polls; on a small machine it costs more
+than the transfers). Without RDMA, UCX emulates a READ with messages the owner must answer, so
+the owner's worker has to be progressed: a light thread here calls get_new_notifs every
+`progress_interval_s`, which also collects notifications. The agent is not thread-safe in this
+mode, so every agent call holds one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvrelay.kv_transfer.transport.base import (
+    FinishedTransfer,
+    KVTransport,
+    RegionLayout,
+    TransferHandle,
+    TransferState,
+    check_compatible,
+    check_read,
+    describe_kv_caches,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def import_nixl() -> Any:
+    """The nixl Python API module (`nixl_cu12` wheel, or a `nixl` build); ImportError if absent."""
+    try:
+        from nixl_cu12 import _api
+    except ImportError:
+        from nixl import _api  # type: ignore[no-redef]
+    return _api
+
+
+def nixl_available() -> bool:
+    try:
+        import_nixl()
+    except ImportError:
+        return False
+    return True
+
+
+def _mem_type(device: str) -> str:
+    return "DRAM" if device == "cpu" else "VRAM"
+
+
+def _device_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index) if index else 0
+
+
+def block_descriptors(layout: RegionLayout) -> np.ndarray:
+    """One (address, length, device) row per (layer, block), layer-major."""
+    bases = np.array(layout.base_addresses, dtype=np.uint64)  # [L]
+    offsets = np.arange(layout.num_blocks, dtype=np.uint64) * np.uint64(layout.block_bytes)  # [N]
+    descs = np.empty((len(bases), layout.num_blocks, 3), dtype=np.uint64)  # [L, N, 3]
+    descs[:, :, 0] = bases[:, None] + offsets[None, :]
+    descs[:, :, 1] = layout.block_bytes
+    descs[:, :, 2] = _device_index(layout.device)
+    return descs.reshape(-1, 3)  # [L * N, 3]
+
+
+def descriptor_indices(block_ids: Sequence[int], num_layers: int, num_blocks: int) -> np.ndarray:
+    """Indices of `block_ids` in every layer of a layer-major descriptor list."""
+    ids = np.asarray(block_ids, dtype=np.int64)  # [n]
+    layer_starts = np.arange(num_layers, dtype=np.int64) * num_blocks  # [L]
+    return (layer_starts[:, None] + ids[None, :]).ravel().astype(np.int32)  # [L * n]
+
+
+_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}  # anything else ("ERR"): ERROR
+
+
+class _NixlRead(TransferHandle):
+    def __init__(self, transport: NixlTransport, xfer: Any, state: str) -> None:
+        self._transport = transport
+        self._xfer = xfer
+        self._state = state
+        self._released = False
+
+    def poll(self) -> TransferState:
+        if self._state == "PROC" and not self._released:
+            with self._transport.lock:
+                self._state = self._transport.agent.check_xfer_state(self._xfer)
+        return _STATES.get(self._state, TransferState.ERROR)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        with self._transport.lock:
+            try:
+                self._xfer.release()
+            except Exception as e:  # NIXL refuses to release a transfer it cannot cancel
+                logger.warning("NIXL transport: releasing a transfer in state %s failed: %s", self._state, e)
+
+    @property
+    def error(self) -> str | None:
+        if self._state in ("DONE", "PROC"):
+            return None
+        return f"NIXL transfer failed (state {self._state})"
+
+
+class _Remote:
+    def __init__(self, agent_name: str, layout: RegionLayout, descs: Any) -> None:
+        self.agent_name = agent_name
+        self.layout = layout
+        self.descs = descs  # prepared descriptor list of every (layer, block) of the peer
+
+
+class NixlTransport(KVTransport):
+    """NIXL agent named after `engine_id` (plus a random suffix: a restarted engine is a new
+    agent). `progress_interval_s` paces the progress thread; 0 disables it, and then the
+    caller must call get_notifications often, even while idle, for peers' reads to progress."""
+
+    name = "nixl"
+
+    def __init__(self, engine_id: str, *, progress_interval_s: float = 0.0005,
+                 backends: Sequence[str] = ("UCX",)) -> None:
+        api = import_nixl()
+        self.engine_id = engine_id
+        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        self.agent = api.nixl_agent(self.agent_name, config)
+        self.lock = threading.Lock()
+        self.layout: RegionLayout | None = None
+        self._kv_caches: list[torch.Tensor] = []
+        self._reg_descs: Any = None
+        self._local_descs: Any = None
+        self._remotes: dict[str, _Remote] = {}
+        self._notifications: deque[bytes] = deque()
+        self._closed = False
+        self._stopping = threading.Event()
+        self._progress_interval_s = progress_interval_s
+        self._progress_thread: threading.Thread | None = None
+        if progress_interval_s > 0:
+            self._progress_thread = threading.Thread(target=self._progress_loop, name="kvrelay-nixl-progress",
+                                                     daemon=True)
+            self._progress_thread.start()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> RegionLayout:
+        layout = describe_kv_caches(kv_caches)
+        mem_type = _mem_type(layout.device)
+        with self.lock:
+            self._reg_descs = self.agent.register_memory(list(kv_caches.values()))
+            self._local_descs = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(layout),
+                                                           mem_type)
+        self._kv_caches = list(kv_caches.values())  # NOTE: registered memory must outlive the agent's use
+        self.layout = layout
+        return layout
+
+    def agent_metadata(self) -> bytes:
+        with self.lock:
+            return bytes(self.agent.get_agent_metadata())
+
+    def add_remote(self, remote_engine_id: str, agent_metadata: bytes, layout: RegionLayout) -> None:
+        if remote_engine_id in self._remotes:
+            return
+        if self.layout is not None:
+            check_compatible(self.layout, layout)
+        with self.lock:
+            agent_name = self.agent.add_remote_agent(agent_metadata)
+            try:
+                descs = self.agent.prep_xfer_dlist(agent_name, block_descriptors(layout),
+                                                   _mem_type(layout.device))
+            except Exception:
+                self.agent.remove_remote_agent(agent_name)
+                raise
+        self._remotes[remote_engine_id] = _Remote(agent_name, layout, descs)
+
+    def remove_remote(self, remote_engine_id: str) -> None:
+        remote = self._remotes.pop(remote_engine_id, None)
+        if remote is None:
+            return
+        with self.lock:
+            remote.descs.release()
+            self.agent.remove_remote_agent(remote.agent_name)
+
+    def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
+        remote = self._remotes.get(remote_engine_id)
+        if remote is None:
+            return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
+        if self.layout is None:
+            raise RuntimeError("register_kv_caches must come before read_blocks")
+        check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        if not local_block_ids:
+            with self.lock:
+                self.agent.send_notif(remote.agent_name, notification)
+            return FinishedTransfer()
+        num_layers = len(self.layout.layer_names)
+        local = descriptor_indices(local_block_ids, num_layers, self.layout.num_blocks)
+        remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks)
+        with self.lock:
+            xfer = self.agent.make_prepped_xfer("READ", self._local_descs, local, remote.descs,
+                                                remote_indices, notification)
+            state = self.agent.transfer(xfer)
+        return _NixlRead(self, xfer, state)
+
+    def get_notifications(self) -> list[bytes]:
+        if self._progress_thread is None:
+            self._collect_notifications()
+        queue = self._notifications
+        return [queue.popleft() for _ in range(len(queue))]
+
+    def _collect_notifications(self) -> None:
+        with self.lock:
+            by_agent = self.agent.get_new_notifs()  # also progresses the UCX worker
+        for messages in by_agent.values():
+            self._notifications.extend(bytes(m) for m in messages)
+
+    def _progress_loop(self) -> None:
+        while not self._stopping.wait(self._progress_interval_s):
+            try:
+                self._collect_notifications()
+            except Exception:
+                logger.exception("NIXL transport: progress failed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join()
+        for remote_engine_id in list(self._remotes):
+            self.remove_remote(remote_engine_id)
+        with self.lock:
+            if self._local_descs is not None:
+                self._local_descs.release()
+            if self._reg_descs is not None:
+                self.agent.deregister_memory(self._reg_descs)
+        del self.agent
