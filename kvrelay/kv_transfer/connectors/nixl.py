@@ -61,7 +61,6 @@ threads and closes the transport.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, cast
 
@@ -84,7 +83,9 @@ BACKENDS = ("nixl", "tcp")
 
 
 def default_backend() -> str:
-    return "nixl" if importlib.util.find_spec("nixl") is not None else "tcp"
+    from kvrelay.kv_transfer.transport import default_transport
+
+    return default_transport()
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,16 @@ def nixl_available() -> bool:
     return available()
 
 
+def nixl_installed() -> bool:
+    """Whether a NIXL package is installed, without importing it (or torch)."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl_cu12", "nixl"))
+
+
 def default_transport() -> str:
-    """"nixl" where NIXL is importable, else the built-in "tcp"."""
-    return "nixl" if nixl_available() else "tcp"
+    """"nixl" where NIXL is installed, else the built-in "tcp"."""
+    return "nixl" if nixl_installed() else "tcp"
 
 
 def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port: int = 0,
@@ -63,4 +70,5 @@ __all__ = [
     "create_transport",
     "default_transport",
     "nixl_available",
+    "nixl_installed",
 ]

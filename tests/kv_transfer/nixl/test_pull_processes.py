@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +26,9 @@ def _backend_available(backend: str) -> bool:
         from kvrelay.kv_transfer.transport import create_transport  # noqa: F401
     except ImportError:
         return False
-    return backend == "tcp" or importlib.util.find_spec("nixl") is not None
+    from kvrelay.kv_transfer.transport import nixl_installed
+
+    return backend == "tcp" or nixl_installed()
 
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _backend_available(b), reason=f"no {b} transport"))
