@@ -59,8 +59,11 @@ def plan_example_connector(workdir: Path) -> ConnectorPlan:
 
 
 def plan_nixl_connector(workdir: Path) -> ConnectorPlan:
-    """NixlConnector: D pulls blocks from P; the side channel is authenticated by a cluster secret."""
-    return ConnectorPlan({"backend": "tcp", "lease_seconds": 60.0},
+    """NixlConnector: D pulls blocks from P (NIXL where installed, else the built-in TCP
+    transport); the side channel is authenticated by a secret made for this cluster."""
+    from kvrelay.kv_transfer.transport import default_transport
+
+    return ConnectorPlan({"backend": default_transport(), "lease_seconds": 30.0},
                          env={KV_SECRET_ENV: secrets.token_hex(32)})
 
 
@@ -69,7 +72,7 @@ CONNECTOR_PLANS: dict[str, Callable[[Path], ConnectorPlan]] = {
     "SharedStorageConnector": plan_example_connector,
     "NixlConnector": plan_nixl_connector,
 }
-DEFAULT_CONNECTOR = "ExampleConnector"
+DEFAULT_CONNECTOR = "NixlConnector"
 
 
 def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
