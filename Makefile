@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: install
+	# The offload tests start their own redis-server; this installs it (Debian package) if missing.
+	sh scripts/install_redis.sh
 	$(PY) -m pytest
 
 up: install

@@ -1,0 +1,257 @@
+"""Offload tiers on the default model (SmolLM2-135M, fp32, CPU): what a stored prefix saves.
+
+In one run, with a real redis-server on a free loopback port (from PATH):
+
+  TTFT      a 2048- and a 4096-token prompt: cold (full prefill, the chunks are stored in every
+            tier meanwhile) against warm from each tier alone: cpu (same engine, local prefix
+            cache reset), disk (a fresh engine on the same directory; the OS page cache is warm),
+            redis (a fresh engine). Targets: speed-up >= 20x cpu, >= 10x disk, >= 5x redis.
+  store     GB/s of the connector's store path per tier (gather out of the KV cache into
+            staging, checksum + header, tier put; measured from copy-out until written) against
+            the raw operation on the same bytes: a memcpy, a file write + rename, a Redis SET.
+  ITL       decode inter-token latency of one request, alone and while one chunk per step is
+            stored in the background (what a concurrent prefill of chunk_tokens per step causes:
+            the copy-out inside the step plus the writer thread). Target: <= +10%.
+
+    .venv/bin/python benchmarks/bench_offload.py [--lengths 2048 4096] [--decode-tokens 48]
+
+Timings on a shared machine vary with its load: the table prints what this run measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.kv_transfer.connectors.offload_meta import ChunkSave
+
+CHUNK_TOKENS = 256
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not on PATH: run scripts/install_redis.sh")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def offload_llm(**tiers: Any) -> LLM:
+    config = {"kv_connector": "OffloadConnector",
+              "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "max_pending_stores": 32, **tiers}}
+    return LLM(kv_cache_memory="1GiB", kv_transfer_config=config)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> float:
+    """Seconds from add_request to the first output token (stores may still be in flight)."""
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0.0))
+    while True:
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                elapsed = time.perf_counter() - start
+                engine.run_until_idle(timeout_s=600)  # let the stores finish before the next run
+                return elapsed
+
+
+def connector(llm: LLM) -> Any:
+    return llm.engine.runner.connector
+
+
+def close(llm: LLM) -> None:
+    connector(llm).shutdown()
+    llm.engine.scheduler.connector.shutdown()
+
+
+def measure_ttft(lengths: list[int], disk_dir: str, redis_url: str) -> dict[tuple[str, int], float]:
+    rng = random.Random(0)
+    prompts = {n: [rng.randrange(100, 40000) for _ in range(n)] for n in lengths}
+    results: dict[tuple[str, int], float] = {}
+    llm = offload_llm(cpu_bytes="2GiB", disk_dir=disk_dir, remote_url=redis_url)
+    for n, prompt in prompts.items():
+        results[("cold", n)] = ttft(llm, prompt)
+        llm.engine.scheduler.reset_prefix_cache()
+        results[("cpu", n)] = ttft(llm, prompt)  # the cpu tier is on top: it answers
+        llm.engine.scheduler.reset_prefix_cache()
+        print(f"  {n} tokens: cold {results[('cold', n)]:.2f} s, cpu {results[('cpu', n)]:.3f} s",
+              flush=True)
+    close(llm)
+    for tier, config in (("disk", {"disk_dir": disk_dir}), ("redis", {"remote_url": redis_url})):
+        llm = offload_llm(**config)
+        for n, prompt in prompts.items():
+            results[(tier, n)] = ttft(llm, prompt)
+            print(f"  {n} tokens: {tier} {results[(tier, n)]:.3f} s", flush=True)
+        close(llm)
+    return results
+
+
+def store_throughput(llm: LLM, num_chunks: int) -> float:
+    """GB/s of the store path: copy-out in the step, then the writer to the tiers."""
+    background = connector(llm).worker.background
+    blocks = list(range(CHUNK_TOKENS // llm.engine.config.cache.block_size))
+    saves = [ChunkSave("bench", f"{random.getrandbits(160):040x}", blocks) for _ in range(num_chunks)]
+    start = time.perf_counter()
+    for save in saves:
+        background.copy_out([save])
+    assert background.wait_idle(600)
+    seconds = time.perf_counter() - start
+    return num_chunks * connector(llm).worker.store.payload_bytes / seconds / 1e9
+
+
+def raw_throughput(tier: str, payload: bytes, num_chunks: int, disk_dir: str, redis_url: str) -> float:
+    start = time.perf_counter()
+    if tier == "cpu":
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        for _ in range(num_chunks):
+            torch.empty_like(src).copy_(src)
+    elif tier == "disk":
+        for i in range(num_chunks):
+            tmp, path = os.path.join(disk_dir, f".raw-{i}"), os.path.join(disk_dir, f"raw-{i}")
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+    else:
+        import redis
+
+        client = redis.Redis.from_url(redis_url)
+        for i in range(num_chunks):
+            client.set(f"raw-{i}", payload)
+    return num_chunks * len(payload) / (time.perf_counter() - start) / 1e9
+
+
+def measure_stores(disk_dir: str, redis_url: str, num_chunks: int) -> dict[str, tuple[float, float]]:
+    results = {}
+    for tier, config in (("cpu", {"cpu_bytes": "2GiB"}), ("disk", {"disk_dir": disk_dir}),
+                         ("redis", {"remote_url": redis_url})):
+        llm = offload_llm(**config)
+        store_gbps = store_throughput(llm, num_chunks)
+        payload = os.urandom(connector(llm).worker.store.payload_bytes)
+        results[tier] = (store_gbps, raw_throughput(tier, payload, num_chunks, disk_dir, redis_url))
+        close(llm)
+        print(f"  store {tier}: {results[tier][0]:.2f} GB/s, raw {results[tier][1]:.2f} GB/s", flush=True)
+    return results
+
+
+def decode_itl(llm: LLM, num_tokens: int, store_each_step: bool) -> float:
+    """Median seconds between output tokens of one request; optionally one chunk stored per step."""
+    engine, worker = llm.engine, connector(llm).worker
+    blocks = list(range(CHUNK_TOKENS // engine.config.cache.block_size))
+    original = worker.wait_for_save
+
+    def wait_for_save_with_store(meta: Any) -> None:
+        original(meta)
+        worker.background.copy_out([ChunkSave("bench", f"{random.getrandbits(160):040x}", blocks)])
+    worker.wait_for_save = wait_for_save_with_store if store_each_step else original
+    engine.add_request({"prompt_token_ids": list(range(1000, 1100))},
+                       SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    worker.wait_for_save = original
+    engine.run_until_idle(timeout_s=600)
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # skip the prefill
+    return statistics.median(gaps)
+
+
+def measure_itl(disk_dir: str, redis_url: str, num_tokens: int) -> tuple[float, float, float]:
+    llm = offload_llm(cpu_bytes="2GiB", disk_dir=disk_dir, remote_url=redis_url)
+    decode_itl(llm, 8, False)  # warm-up
+    base = decode_itl(llm, num_tokens, False)
+    loaded = decode_itl(llm, num_tokens, True)
+    copy_out = llm.engine.scheduler.connector.take_stats()
+    close(llm)
+    num_chunks = max(1, copy_out.get("offload_chunks_stored", 1))
+    per_chunk = copy_out.get("offload_copy_out_seconds", 0.0) / num_chunks
+    return base, loaded, per_chunk
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--store-chunks", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--parts", nargs="+", choices=["ttft", "store", "itl"],
+                        default=["ttft", "store", "itl"])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    proc, redis_url = start_redis()
+    workdir = tempfile.mkdtemp(prefix="kvrelay-bench-offload-")
+    try:
+        ttfts: dict[tuple[str, int], float] = {}
+        stores: dict[str, tuple[float, float]] = {}
+        itl: tuple[float, float, float] | None = None
+        if "ttft" in args.parts:
+            print("TTFT ...", flush=True)
+            ttfts = measure_ttft(args.lengths, os.path.join(workdir, "kv"), redis_url)
+        if "store" in args.parts:
+            print("stores ...", flush=True)
+            stores = measure_stores(os.path.join(workdir, "store"), redis_url, args.store_chunks)
+        if "itl" in args.parts:
+            print("decode ITL ...", flush=True)
+            itl = measure_itl(os.path.join(workdir, "itl"), redis_url, args.decode_tokens)
+    finally:
+        proc.terminate()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(args.lengths, ttfts, stores, itl)
+
+
+def print_table(lengths: list[int], ttfts: dict[tuple[str, int], float],
+                stores: dict[str, tuple[float, float]], itl: tuple[float, float, float] | None) -> None:
+    targets = {"cpu": 20, "disk": 10, "redis": 5}
+    if ttfts:
+        print_ttft(lengths, ttfts, targets)
+    if stores:
+        print("\nstore throughput (GB/s of KV payload)")
+        print(f"{'tier':>6} {'store':>7} {'raw':>7} {'ratio':>6}  raw: memcpy / file write+rename / SET")
+        for tier, (store, raw) in stores.items():
+            print(f"{tier:>6} {store:>7.2f} {raw:>7.2f} {store / raw:>6.2f}")
+    if itl is not None:
+        base, loaded, per_chunk = itl
+        rise = (loaded / base - 1) * 100
+        print("\ndecode inter-token latency (median)")
+        print(f"  alone {base * 1e3:.1f} ms, with one chunk stored per step {loaded * 1e3:.1f} ms: "
+              f"{rise:+.1f}% (target <= +10%: {'yes' if rise <= 10 else 'NO'}); "
+              f"copy-out {per_chunk * 1e3:.2f} ms per chunk inside the step")
+
+
+def print_ttft(lengths: list[int], ttfts: dict[tuple[str, int], float], targets: dict[str, int]) -> None:
+    print(f"\nTTFT (SmolLM2-135M fp32 CPU, {os.cpu_count()} cores, chunk_tokens={CHUNK_TOKENS})")
+    print(f"{'prompt':>7} {'tier':>6} {'TTFT s':>8} {'speed-up':>9} {'target':>7}  ok")
+    for n in lengths:
+        cold = ttfts[("cold", n)]
+        print(f"{n:>7} {'cold':>6} {cold:>8.3f}")
+        for tier, target in targets.items():
+            t = ttfts[(tier, n)]
+            ok = "yes" if cold / t >= target else "NO"
+            print(f"{n:>7} {tier:>6} {t:>8.3f} {cold / t:>8.1f}x {target:>6}x  {ok}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""TieredStore: the tiers top-down behind one object that speaks in verified chunks.
+
+Lookups ask every tier for what the tiers above lack, in one batched call per tier. Reads go
+top-down; a blob that fails verification is removed from its tier and the next tier is tried;
+a hit in a lower tier is copied up into every tier above it (promotion). Writes go through to
+every tier, so the disk survives a restart and Redis shares with other instances.
+
+A tier that fails (TierError) is a miss for that call, counted and logged once (then at most
+every minute); a failing remote tier is skipped for `retry_seconds` so a dead server costs one
+timeout, not one per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvrelay.kv_transfer.offload.base import StorageTier, TierError
+from kvrelay.kv_transfer.offload.codec import ChunkError, decode_chunk
+from kvrelay.kv_transfer.offload.stats import OffloadStats
+
+logger = logging.getLogger(__name__)
+
+_LOG_EVERY_SECONDS = 60.0
+
+
+class TieredStore:
+    def __init__(self, tiers: Sequence[StorageTier], fingerprint: str, payload_bytes: int,
+                 stats: OffloadStats, retry_seconds: float = 5.0) -> None:
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self.fingerprint = fingerprint
+        self.payload_bytes = payload_bytes
+        self.stats = stats
+        self.retry_seconds = retry_seconds
+        self._down_until: dict[str, float] = {}
+        self._last_log: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, keys: Sequence[str]) -> int:
+        """How many leading `keys` some tier holds (contains checks only, batched per tier)."""
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            missing = [i for i, found in enumerate(present) if not found]
+            if not missing:
+                break
+            answer = self._guarded(tier, "contains", [keys[i] for i in missing])
+            for i, found in zip(missing, answer or [], strict=False):
+                present[i] = found
+        num_leading = next((i for i, found in enumerate(present) if not found), len(keys))
+        self.stats.add_many({"offload_lookups": 1, "offload_lookup_chunks": len(keys),
+                             "offload_lookup_hit_chunks": num_leading})
+        return num_leading
+
+    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        """Each key's verified payload, or None; hits below the top tier are promoted."""
+        payloads: list[memoryview | None] = [None] * len(keys)
+        for level, tier in enumerate(self.tiers):
+            missing = [i for i, p in enumerate(payloads) if p is None]
+            if not missing:
+                break
+            blobs = self._guarded(tier, "get", [keys[i] for i in missing])
+            if blobs is None:
+                continue
+            corrupt: list[str] = []
+            promote: list[tuple[str, bytes | bytearray]] = []
+            for i, blob in zip(missing, blobs, strict=True):
+                payload = self._verify(tier, keys[i], blob, corrupt)
+                if payload is not None:
+                    payloads[i] = payload
+                    promote.append((keys[i], blob))  # type: ignore[arg-type]
+            hits = len(promote)
+            self.stats.add_many({f"offload_{tier.name}_hits": hits,
+                                 f"offload_{tier.name}_misses": len(missing) - hits})
+            if corrupt:
+                self._guarded(tier, "remove", corrupt)
+            if promote and level > 0:
+                self._promote(self.tiers[:level], promote)
+        return payloads
+
+    def _verify(self, tier: StorageTier, key: str, blob: bytes | bytearray | None,
+                corrupt: list[str]) -> memoryview | None:
+        if blob is None:
+            return None
+        try:
+            return decode_chunk(blob, key, self.fingerprint, self.payload_bytes)
+        except ChunkError as e:
+            self.stats.add(f"offload_{tier.name}_corrupt")
+            self.log_rate_limited(f"{tier.name}-corrupt", "offload %s tier: %s; dropped, recomputing",
+                                  tier.name, e)
+            corrupt.append(key)
+            return None
+
+    def _promote(self, upper: list[StorageTier], items: list[tuple[str, bytes | bytearray]]) -> None:
+        for tier in upper:
+            if self._guarded(tier, "put", items) is not None:
+                self.stats.add("offload_promotions", len(items))
+
+    # ------------------------------------------------------------------ writes
+    def put(self, key: str, blob: bytes | bytearray, reused: bool = False) -> bool:
+        """Write through to every tier; True when at least one tier stored the chunk.
+        `reused`: the caller reuses `blob` afterwards, so a tier that keeps blobs gets a copy."""
+        stored = False
+        for tier in self.tiers:
+            kept = bytes(blob) if reused and tier.keeps_blobs else blob
+            stored |= self._guarded(tier, "put", [(key, kept)]) is not None
+        return stored
+
+    def remove(self, keys: Sequence[str]) -> None:
+        for tier in self.tiers:
+            self._guarded(tier, "remove", keys)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    # ------------------------------------------------------------------ failures
+    def _guarded(self, tier: StorageTier, what: str, arg: Sequence[Any]) -> Any:
+        """`tier.<what>(arg)`; None (a miss) when the tier fails or is skipped after a failure.
+        Calls returning nothing return True on success."""
+        if time.monotonic() < self._down_until.get(tier.name, 0.0):
+            return None
+        try:
+            result = getattr(tier, what)(arg)
+        except TierError as e:
+            self.stats.add(f"offload_{tier.name}_errors")
+            if tier.remote:
+                self._down_until[tier.name] = time.monotonic() + self.retry_seconds
+            self.log_rate_limited(tier.name, "offload %s tier %s failed (%s); serving without it",
+                                  tier.name, what, e)
+            return None
+        return True if result is None else result
+
+    def log_rate_limited(self, topic: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(topic, -_LOG_EVERY_SECONDS) >= _LOG_EVERY_SECONDS:
+            self._last_log[topic] = now
+            logger.warning(message, *args)
