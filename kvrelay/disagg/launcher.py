@@ -76,10 +76,21 @@ DEFAULT_CONNECTOR = "NixlConnector"
 
 
 def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
-                       plan: ConnectorPlan, host: str) -> dict[str, Any]:
-    """One instance's --kv-transfer-config (vLLM's field names)."""
-    return {"kv_connector": connector, "kv_role": role, "engine_id": engine_id, "kv_ip": host,
-            "kv_port": kv_port, "kv_connector_extra_config": plan.extra_config}
+                       plan: ConnectorPlan, host: str,
+                       offload: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One instance's --kv-transfer-config (vLLM's field names). With `offload` (an
+    OffloadConnector extra config) the instance runs a MultiConnector: the P/D connector first,
+    so requests that carry kv_transfer_params load from P; the offload tiers serve and store
+    every other prefix."""
+    config = {"kv_connector": connector, "kv_role": role, "engine_id": engine_id, "kv_ip": host,
+              "kv_port": kv_port, "kv_connector_extra_config": plan.extra_config}
+    if offload is None:
+        return config
+    children = [{"kv_connector": connector, "kv_connector_extra_config": plan.extra_config},
+                {"kv_connector": "OffloadConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": offload}]
+    return {**config, "kv_connector": "MultiConnector",
+            "kv_connector_extra_config": {"connectors": children}}
 
 
 # ---------------------------------------------------------------------- the cluster
@@ -98,6 +109,8 @@ class ClusterSpec:
     startup_timeout: float = 600.0
     grace_period: float = 10.0
     log_dir: str | None = None  # None: inside the cluster's temp directory (removed at exit)
+    # OffloadConnector extra config for the decode instances (None: no offload tiers).
+    offload: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
@@ -286,7 +299,9 @@ class LocalCluster:
         spec = self.spec
         port = free_port(spec.host)
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
-        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port(spec.host), plan, spec.host)
+        offload = spec.offload if kv_role == "kv_consumer" else None
+        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port(spec.host), plan,
+                                    spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
         return ChildProcess(name, serve_argv(spec, port, config), f"http://{spec.host}:{port}",
                             log_dir / f"{name}.log", env)

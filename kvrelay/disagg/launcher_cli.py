@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
     p.add_argument("--connector", default=None,
-                   help="KV connector linking P and D (default: ExampleConnector over a temp dir)")
+                   help="KV connector linking P and D (default: NixlConnector)")
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--threads-per-instance", type=int, default=None,
@@ -27,7 +27,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the children's logs here")
+    off = p.add_argument_group("offload tiers for the decode instances (OffloadConnector)")
+    off.add_argument("--offload", action="store_true",
+                     help="enable them (CPU memory, 1GiB, unless the flags below say otherwise)")
+    off.add_argument("--offload-cpu-bytes", default=None, help="host-memory tier budget, e.g. 4GiB")
+    off.add_argument("--offload-disk-dir", default=None, help="disk tier directory")
+    off.add_argument("--offload-disk-bytes", default=None, help="disk tier budget, e.g. 64GiB")
+    off.add_argument("--offload-remote-url", default=None,
+                     help="Redis tier, redis://host:port/db (two clusters can share prefixes through it)")
     p.set_defaults(func=cmd_up)
+
+
+def offload_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The OffloadConnector extra config the --offload* flags ask for, or None."""
+    tiers = {"cpu_bytes": args.offload_cpu_bytes, "disk_dir": args.offload_disk_dir,
+             "disk_bytes": args.offload_disk_bytes, "remote_url": args.offload_remote_url}
+    chosen = {k: v for k, v in tiers.items() if v is not None}
+    if not chosen and not args.offload:
+        return None
+    if not any(k in chosen for k in ("cpu_bytes", "disk_dir", "remote_url")):
+        chosen["cpu_bytes"] = "1GiB"
+    return chosen
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -44,7 +64,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        connector=args.connector or DEFAULT_CONNECTOR,
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,
                        threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
-                       startup_timeout=args.startup_timeout, log_dir=args.log_dir)
+                       startup_timeout=args.startup_timeout, log_dir=args.log_dir,
+                       offload=offload_config(args))
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
