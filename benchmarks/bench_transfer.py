@@ -1,31 +1,51 @@
-"""KV transfer throughput: each transport's read_blocks against the raw path it is built on.
+"""KV transfer throughput: each transport and the connector's pull against the raw path below.
 
 For prompts of 512 to 8192 tokens in the SmolLM2-135M KV layout (30 layers, 3 KV heads, head
 dim 64, fp32) and block sizes 16 and 64, moves the prompt's blocks P -> D in one process with:
 
-    nixl      NixlTransport.read_blocks               vs  raw nixl: one prepped READ, busy polled
-    tcp       TcpTransport.read_blocks                vs  raw socket: sendall / recv_into, same bytes
-    memcpy    torch copy_ of the same block slices (the ceiling)
+    nixl        NixlTransport.read_blocks            vs  raw nixl: one prepped READ, busy polled
+    conn nixl   the NixlConnector worker path over NIXL (verify_checksum off): D's start_load_kv
+                -> pin over the authenticated side channel -> read -> finished_recving
+    conn+cksum  the same with verify_checksum on: P digests the blocks at pin time, D after the read
+    tcp         TcpTransport.read_blocks             vs  raw socket: sendall / recv_into, same bytes
+    conn tcp    the NixlConnector worker path over the TCP backend (verify_checksum off)
+    memcpy      torch copy_ of the same block slices (the ceiling)
+    digest      security.block_digests over the blocks alone (the checksum's own throughput)
 
-and prints GB/s with the ratios the targets name (nixl >= 0.8 x raw nixl, tcp >= 0.7 x raw
-socket). Each measurement is a function `measure_*(case) -> seconds` so more columns (e.g.
-with checksums) and other parts (TTFT) can be added beside them.
+and prints GB/s with the ratios the targets name (nixl and conn nixl >= 0.8 x raw nixl, tcp and
+conn tcp >= 0.7 x raw socket, conn+cksum >= 0.6 x raw nixl), then plots them (--plot). Each
+column is a function `measure_*(reps)` returning `measure(case) -> seconds` (the best of `reps`).
+With --ttft it also times the first token of 1024- and 4096-token prompts through `kvrelay up`
+(1P1D) against one `kvrelay serve` with the same total threads (see transfer_ttft.py).
 
-    .venv/bin/python benchmarks/bench_transfer.py [--tokens 512 2048 8192] [--block-sizes 16 64]
+    .venv/bin/python benchmarks/bench_transfer.py [--tokens 512 2048 8192] [--block-sizes 16 64] \
+        [--ttft] [--plot docs/bench_transfer.png]
+    .venv/bin/python benchmarks/bench_transfer.py --quick --ttft      # a couple of minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from kvrelay.kv_transfer.base import KVCacheSpec
+from kvrelay.kv_transfer.config import KVTransferConfig
+from kvrelay.kv_transfer.connectors import security
+from kvrelay.kv_transfer.connectors.nixl import NixlConfig
+from kvrelay.kv_transfer.connectors.nixl_meta import LeaseSpec, NixlConnectorMetadata, PullSpec
+from kvrelay.kv_transfer.connectors.nixl_scheduler import make_lease_id
+from kvrelay.kv_transfer.connectors.nixl_worker import NixlWorker
 from kvrelay.kv_transfer.transport import TransferState, create_transport, nixl_available
 from kvrelay.kv_transfer.transport.base import describe_kv_caches
 
@@ -170,6 +190,114 @@ def measure_memcpy(reps: int) -> Callable[[Case], float]:
     return measure
 
 
+# --- the connector's path: P's and D's NixlWorker, driven as two engines' runners drive them ---
+
+class ConnectorPair:
+    """A prefill and a decode NixlWorker over the case's pools, as two engines' runners hold them.
+
+    Each pull is what a request's KV costs on D's side of the connector: the scheduler-side
+    metadata hands P a lease and D a pull (LeaseSpec / PullSpec, as NixlScheduler builds them),
+    then D's worker pins the lease over the authenticated ZMQ side channel (P checks it and, with
+    verify_checksum, computes the blocks' digests), reads the blocks through the transport with
+    the descriptors prepared at the handshake, verifies the digests, and reports the request in
+    finished_recving; P's worker takes the notification and ends the lease. Both workers are
+    polled from this thread (get_finished), as each engine's step loop would.
+    """
+
+    def __init__(self, backend: str, verify_checksum: bool, case: Case, secret_file: str) -> None:
+        extra = {"backend": backend, "verify_checksum": verify_checksum, "secret_file": secret_file}
+        nixl_config = NixlConfig.from_extra_config(extra)
+        keys = security.load_keys(secret_file)
+        fingerprint = {"architecture": "LlamaForCausalLM", "num_layers": NUM_LAYERS,
+                       "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "dtype": "float32"}
+        kv_spec = KVCacheSpec(case.block_size, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32",
+                              layer_names=tuple(case.p_kv), fingerprint=fingerprint)
+        self.p_config, self.d_config = (
+            KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id=f"bench-{role}",
+                             kv_port=_free_port(), kv_connector_extra_config=extra)
+            for role in ("kv_producer", "kv_consumer"))
+        self.p = NixlWorker(self.p_config, nixl_config, keys, kv_spec)
+        self.d = NixlWorker(self.d_config, nixl_config, keys, kv_spec)
+        self.p.register_kv_caches(case.p_kv)
+        self.d.register_kv_caches(case.d_kv)
+        self.num_pulls = 0
+
+    def pull(self, case: Case) -> float:
+        """Seconds from D's start_load_kv to the request in D's finished_recving."""
+        self.num_pulls += 1
+        p_req, d_req = f"p-{self.num_pulls}", f"d-{self.num_pulls}"
+        prompt_digest = security.prompt_digest([self.num_pulls] * case.num_tokens)
+        now_ms = int(time.time() * 1000)
+        lease = LeaseSpec(req_id=p_req, lease_id=make_lease_id(now_ms), block_ids=case.remote_block_ids,
+                          prompt_digest=prompt_digest, expiry_ms=now_ms + 30_000)
+        self.p.start_load_kv(NixlConnectorMetadata(leases=[lease]))  # P's step after the prefill
+        pull = PullSpec(req_id=d_req, remote_request_id=p_req, remote_engine_id=self.p_config.engine_id,
+                        remote_host=self.p_config.kv_ip, remote_port=self.p_config.kv_port,
+                        lease_id=lease.lease_id, prompt_digest=prompt_digest,
+                        local_block_ids=case.local_block_ids, remote_block_ids=case.remote_block_ids)
+        sent: set[str] = set()
+        start = time.perf_counter()
+        self.d.start_load_kv(NixlConnectorMetadata(pulls=[pull]))
+        while True:
+            received = self.d.get_finished()
+            sent |= self.p.get_finished().finished_sending
+            if d_req in received.finished_recving:
+                break
+            if received.failed_recving or received.invalid_block_ids:
+                raise RuntimeError(f"the connector's pull failed ({received.stats}); see the log above")
+            time.sleep(0)
+        elapsed = time.perf_counter() - start
+        if received.invalid_block_ids:
+            raise RuntimeError(f"blocks {sorted(received.invalid_block_ids)} failed their checksum")
+        self._wait_lease_ended(p_req, sent)
+        return elapsed
+
+    def _wait_lease_ended(self, p_req: str, sent: set[str], timeout_s: float = 10.0) -> None:
+        """P frees the blocks once the read's notification arrived: no lease may be left over."""
+        deadline = time.monotonic() + timeout_s
+        while p_req not in sent:
+            sent |= self.p.get_finished().finished_sending
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"P never saw the notification of {p_req}")
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+def measure_connector(backend: str, verify_checksum: bool, reps: int,
+                      secret_file: str) -> Callable[[Case], float]:
+    def measure(case: Case) -> float:
+        pair = ConnectorPair(backend, verify_checksum, case, secret_file)
+        try:
+            times = [pair.pull(case) for _ in range(reps + 1)]  # the first handshakes: not timed
+            _check_copied(case)
+            return min(times[1:])
+        finally:
+            pair.close()
+    return measure
+
+
+def measure_digests(reps: int) -> Callable[[Case], float]:
+    """security.block_digests over the case's blocks: what P pays at pin time and D after the read."""
+    def measure(case: Case) -> float:
+        layers = list(case.p_kv.values())
+        times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            security.block_digests(layers, case.remote_block_ids)
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+    return measure
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _check_copied(case: Case) -> None:
     for name, p_layer in case.p_kv.items():
         if not torch.equal(case.d_kv[name][case.local_block_ids], p_layer[case.remote_block_ids]):
@@ -180,22 +308,38 @@ def _check_copied(case: Case) -> None:
 
 # --- the table ------------------------------------------------------------------------------
 
-def build_columns(reps: int) -> dict[str, Callable[[Case], float]]:
+def build_columns(reps: int, secret_file: str) -> dict[str, Callable[[Case], float]]:
     columns: dict[str, Callable[[Case], float]] = {}
     if nixl_available():
         columns["nixl"] = measure_transport("nixl", reps)
+        columns["conn nixl"] = measure_connector("nixl", False, reps, secret_file)
+        columns["conn+cksum"] = measure_connector("nixl", True, reps, secret_file)
         columns["raw nixl"] = measure_raw_nixl(reps)
     columns["tcp"] = measure_transport("tcp", reps)
+    columns["conn tcp"] = measure_connector("tcp", False, reps, secret_file)
+    if not nixl_available():
+        columns["conn+cksum"] = measure_connector("tcp", True, reps, secret_file)
     columns["raw socket"] = measure_raw_socket(reps)
     columns["memcpy"] = measure_memcpy(reps)
+    columns["digest"] = measure_digests(reps)
     return columns
 
 
-RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket", 0.7)}
+# name: (numerator column, denominator column, target)
+RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket", 0.7),
+          "connN/raw": ("conn nixl", "raw nixl", 0.8), "connT/raw": ("conn tcp", "raw socket", 0.7),
+          "cksum/raw": ("conn+cksum", "raw nixl", 0.6)}
 
 
 def run(tokens: list[int], block_sizes: list[int], reps: int) -> list[dict[str, float | int]]:
-    columns = build_columns(reps)
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
+        secret_file = Path(tmp) / "kv-secret"  # NOTE: as `kvrelay up`: an authenticated cluster
+        secret_file.write_text(secrets.token_hex(32))
+        return run_columns(build_columns(reps, str(secret_file)), tokens, block_sizes)
+
+
+def run_columns(columns: dict[str, Callable[[Case], float]], tokens: list[int],
+                block_sizes: list[int]) -> list[dict[str, float | int]]:
     rows: list[dict[str, float | int]] = []
     for block_size in block_sizes:
         pool_blocks = 2 * -(-max(tokens) // block_size)
@@ -231,16 +375,78 @@ def summarize(rows: list[dict[str, float | int]]) -> None:
                   f"(target >= {target})")
 
 
-def main() -> None:
+QUICK = {"tokens": [512, 2048], "block_sizes": [16], "reps": 2, "ttft_sizes": [1024], "ttft_reps": 1}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--reps", type=int, default=5, help="timed transfers per cell (the best is kept)")
-    args = parser.parse_args()
-    print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a reduced run in a couple of minutes: {QUICK}")
+    parser.add_argument("--ttft", action="store_true",
+                        help="also time the first token through `kvrelay up` (1P1D) and one `kvrelay serve`")
+    parser.add_argument("--ttft-sizes", type=int, nargs="+", default=[1024, 4096], help="prompt tokens")
+    parser.add_argument("--ttft-reps", type=int, default=3,
+                        help="timed requests per size (the median is kept)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="--ttft: total torch threads of each target (default: every core)")
+    parser.add_argument("--plot", type=Path, default=Path("docs/bench_transfer.png"),
+                        help="where the throughput plot goes")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NOTE: NIXL's INFO lines would cut the table
+    print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
+          "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "
+          "verify_checksum; digest = security.block_digests alone")
     rows = run(args.tokens, args.block_sizes, args.reps)
     summarize(rows)
+    plot(rows, args.plot)
+    if args.ttft:
+        from transfer_ttft import bench_ttft, print_ttft_table
+
+        print_ttft_table(bench_ttft(args.ttft_sizes, args.ttft_reps, args.threads))
+
+
+def plot(rows: list[dict[str, float | int]], path: Path) -> None:
+    """Throughput against prompt tokens, one line per column, one panel per block size."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path}); pip install 'kvrelay[bench]'")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    block_sizes = sorted({int(r["block_size"]) for r in rows})
+    columns = [k for k in rows[0] if k not in ("block_size", "tokens", "MB") and k not in RATIOS]
+    fig, axes = plt.subplots(1, len(block_sizes), figsize=(6 * len(block_sizes), 4.5), squeeze=False)
+    for ax, block_size in zip(axes[0], block_sizes, strict=True):
+        mine = [r for r in rows if r["block_size"] == block_size]
+        for column in columns:
+            style = "--" if column.startswith(("raw", "memcpy", "digest")) else "-o"
+            ax.plot([r["tokens"] for r in mine], [r[column] for r in mine], style, label=column)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"block size {block_size}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("KV transfer throughput, SmolLM2-135M layout (one process, loopback)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":

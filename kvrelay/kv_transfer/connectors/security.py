@@ -177,45 +177,44 @@ def _shape_error(params: Mapping[str, Any], num_prompt_tokens: int, block_size: 
 
 # ---------------------------------------------------------------- checksums
 
-# NOTE: odd weights make a position-weighted sum (mod 2**64) change under any single-word
-# corruption, and under swaps of words within a block; derived arithmetically, not from a RNG,
-# so two torch versions agree.
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
-_weight_cache: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def _weights(num_words: int, device: torch.device) -> torch.Tensor:
-    import torch
-
-    key = (num_words, str(device))
-    weights = _weight_cache.get(key)
-    if weights is None:
-        weights = (torch.arange(1, num_words + 1, dtype=torch.int64, device=device) * _GOLDEN) | 1
-        _weight_cache[key] = weights
-    return weights
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive block ids as [start, end) runs: each run is one contiguous slice of a layer."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs
 
 
 def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[int]:
     """One 64-bit checksum per block over every layer's bytes of it (K and V).
 
-    A weighted sum of the blocks' 64-bit words: memory-bound and about as fast as a copy, which
-    a cryptographic hash is not (blake2b runs at ~0.5 GB/s here). It detects corruption, not an
-    adversary: integrity against an adversary comes from the authenticated side channel.
+    The sum (mod 2**64) of the block's 64-bit words, read in place (a run of consecutive blocks is
+    one slice of the layer, no gather copy): one pass over memory, about as fast as a copy, which
+    a cryptographic hash is not (blake2b runs at ~0.5 GB/s here). Any corrupted word, a short
+    or missing write, or the wrong block changes it; a permutation of words inside one block does
+    not, which no transport failure produces. It detects corruption, not an adversary: integrity
+    against an adversary comes from the authenticated side channel.
     """
     import torch
 
     if not block_ids:
         return []
-    device = kv_layers[0].device
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    total = torch.zeros(len(block_ids), dtype=torch.int64, device=device)
+    runs = _runs(block_ids)  # in block_ids order, so the concatenated sums line up with it
+    total = torch.zeros(len(block_ids), dtype=torch.int64, device=kv_layers[0].device)
     for kv in kv_layers:
-        blocks = kv.index_select(0, index).reshape(len(block_ids), -1)  # [n, 2 * H_kv * bs * D]
-        raw = blocks.view(torch.uint8)  # [n, block_bytes]
-        if raw.shape[1] % 8 == 0:
-            words = raw.view(torch.int64)  # [n, block_bytes / 8]
-        else:
-            words = raw.to(torch.int64)  # [n, block_bytes]: odd sizes, slow but correct
-        layer_sum = (words * _weights(words.shape[1], device)).sum(dim=1)  # [n]
+        sums = [_word_sums(kv[a:b]) for a, b in runs]  # each [b - a]
+        layer_sum = sums[0] if len(sums) == 1 else torch.cat(sums)  # [n]
         total = total * 1000003 + layer_sum
     return [int(x) for x in total.tolist()]
+
+
+def _word_sums(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, ...] contiguous blocks -> [n] int64 sums of their 64-bit words."""
+    import torch
+
+    raw = blocks.reshape(blocks.shape[0], -1).view(torch.uint8)  # [n, block_bytes]
+    words = raw.view(torch.int64) if raw.shape[1] % 8 == 0 else raw.to(torch.int64)
+    return words.sum(dim=1)
