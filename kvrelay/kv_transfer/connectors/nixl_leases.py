@@ -44,6 +44,7 @@ class _Lease:
     expires: float  # time.monotonic()
     consumers_expected: int = 1
     consumers_done: int = 0
+    checksums: dict[int, int] | None = None  # block id -> digest, computed when the lease starts
 
 
 class LeaseTable:
@@ -65,8 +66,12 @@ class LeaseTable:
     def add(self, spec: LeaseSpec) -> None:
         """Start holding a finished request's blocks until the expiry written in its params."""
         expires = time.monotonic() + max(0.0, spec.expiry_ms / 1000 - time.time())
+        # NOTE: the blocks no longer change once the request finished, so their checksums are
+        # taken now, while D is still on its way: a pin then answers without reading the KV.
+        block_ids = list(spec.block_ids)
+        checksums = dict(zip(block_ids, self._checksum_fn(block_ids), strict=True))
         with self._lock:
-            lease = _Lease(spec, expires)
+            lease = _Lease(spec, expires, checksums=checksums)
             self._leases[spec.req_id] = lease
             early = self._early_releases.pop(spec.req_id, None)
             if early is not None and early.lease_id == spec.lease_id:
@@ -129,9 +134,11 @@ class LeaseTable:
                 return LeaseStatus(request_id=request.request_id, state=LEASE_REFUSED,
                                    error=f"blocks {unknown} are not part of the lease")
             remaining = self._extend(lease)
-        # NOTE: checksummed outside the lock (it takes a while); the lease was just extended
-        # by lease_seconds, so its blocks stay put meanwhile.
-        checksums = self._checksum_fn(request.block_ids) if request.want_checksums else []
+            known = lease.checksums
+        checksums: list[int] = []
+        if request.want_checksums:
+            checksums = ([known[b] for b in request.block_ids] if known is not None
+                         else self._checksum_fn(request.block_ids))
         return LeaseStatus(request_id=request.request_id, state=LEASE_ALIVE, remaining_s=remaining,
                            checksums=checksums)
 
