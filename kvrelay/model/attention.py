@@ -198,11 +198,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata = ctx.attn_metadata[self.layer_name]
         ctx.kv_connector.wait_for_layer_load(self.layer_name)
         self._write_kv(k, v, meta)
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [T, H*D]
-        if meta.decode is not None:
-            out[meta.decode.token_index] = self._decode(q, meta.decode, meta)
-        for seq in meta.prefills:
-            out[seq.start : seq.end] = self._prefill(q, k, v, seq)
+        if meta.decode is not None and meta.decode.num_seqs == q.shape[0]:  # a decode-only step
+            out = self._decode(q, meta.decode, meta)  # [T, H*D]
+        else:
+            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [T, H*D]
+            if meta.decode is not None:
+                out[meta.decode.token_index] = self._decode(q, meta.decode, meta)
+            for seq in meta.prefills:
+                out[seq.start : seq.end] = self._prefill(q, k, v, seq)
         ctx.kv_connector.save_kv_layer(self.layer_name, self.kv_cache, meta)
         return out
 
@@ -216,8 +219,8 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, batch: DecodeBatch, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence, all sequences at once -> [num_seqs, H*D].
 
-        Works one KV head at a time so the gathered K/V (num_seqs * L * D each) stay in cache
-        between the gather and the two matmuls that read them.
+        Works one KV head at a time, and gathers V only after K's scores are done, so each
+        gathered tensor (num_seqs * L * D) is read back while it is still in cache.
         """
         n, hkv, d = batch.num_seqs, self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
@@ -225,18 +228,18 @@ class Attention(nn.Module):
         ctx_len = batch.max_blocks * block_size  # L, padded
         queries = q[batch.token_index].view(n, hkv, group, d)  # [n, Hkv, G, D]
         cache = self.kv_cache.view(self.kv_cache.shape[0], 2, hkv, block_size * d)  # [blocks, 2, Hkv, bs*D]
-        gathered = _workspace(meta, (2, n * batch.max_blocks, block_size * d), q.dtype)  # [2, n*nb, bs*D]
-        keys = gathered[0].view(n, ctx_len, d)  # [n, L, D]
-        values = gathered[1].view(n, ctx_len, d)  # [n, L, D]
+        gathered = _workspace(meta, (n * batch.max_blocks, block_size * d), q.dtype)  # [n*nb, bs*D]
+        context = gathered.view(n, ctx_len, d)  # [n, L, D]: K, then V, of one head
         mask = batch.mask_as(q.dtype)  # [n, 1, L]
-        out = q.new_empty(hkv, n, group, d)  # [Hkv, n, G, D]
+        out = q.new_empty(n, hkv, group, d)  # [n, Hkv, G, D]
         for h in range(hkv):
-            torch.index_select(cache[:, 0, h], 0, batch.block_ids, out=gathered[0])
-            torch.index_select(cache[:, 1, h], 0, batch.block_ids, out=gathered[1])
-            scores = torch.baddbmm(mask, queries[:, h], keys.transpose(1, 2), alpha=self.scale)  # [n, G, L]
+            torch.index_select(cache[:, 0, h], 0, batch.block_ids, out=gathered)  # keys
+            keys = context.transpose(1, 2)  # [n, D, L]
+            scores = torch.baddbmm(mask, queries[:, h], keys, alpha=self.scale)  # [n, G, L]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [n, G, L]
-            torch.bmm(probs, values, out=out[h])  # [n, G, D]
-        return out.permute(1, 0, 2, 3).reshape(n, self.num_heads * d)  # [n, H*D]
+            torch.index_select(cache[:, 1, h], 0, batch.block_ids, out=gathered)  # values
+            out[:, h] = torch.bmm(probs, context)  # [n, G, D]
+        return out.view(n, self.num_heads * d)  # [n, H*D]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
         """Several queries of one sequence -> [query_len, H*D]."""

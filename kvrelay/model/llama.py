@@ -2,7 +2,8 @@
 
 Module names follow Hugging Face, except that q/k/v and gate/up are fused into `qkv_proj` and
 `gate_up_proj` at load time (one matmul instead of three, or two). `load_weights` takes Hugging
-Face tensor names.
+Face tensor names; projections that already lie back to back in one storage, in the fused order
+(as the loader's conversion cache stores them), become one view of it instead of a copy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ _FUSED_SOURCES = {
 WeightPlan = dict[str, tuple[list[tuple[str, tuple[int, ...]]], tuple[int, ...]]]
 # Tensors some checkpoints carry that we recompute instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def fusion_group_of(name: str) -> tuple[str, ...] | None:
+    """The Hugging Face tensors fused together with `name`, in fused order; None if it is not fused.
+    "model.layers.0.mlp.up_proj.weight" -> ("model.layers.0.mlp.gate_proj.weight", "...up_proj.weight")"""
+    module_name, _, leaf = name.rpartition(".")
+    parent, _, proj = module_name.rpartition(".")
+    for sources in _FUSED_SOURCES.values():
+        if proj in sources:
+            return tuple(f"{parent}.{src}.{leaf}" for src in sources)
+    return None
 
 
 class SelfAttention(nn.Module):
@@ -113,7 +125,8 @@ class CausalLM(nn.Module):
         """Load Hugging Face-named tensors. Strict: a missing, unexpected or wrongly shaped tensor
         raises ValueError naming it, before anything is changed. Each parameter keeps its current
         dtype; it lands on `device` (default: where the parameter is, or the CPU for a meta model).
-        Unfused tensors already in the right dtype and device are used in place, not copied."""
+        Tensors already in the right dtype and device are used in place, not copied: unfused ones
+        always, fused ones when their sources lie back to back in one storage."""
         plan = self._weight_plan()
         _check_names_and_shapes(plan, weights, tied=self.spec.tie_word_embeddings)
         for name, (sources, shape) in plan.items():
@@ -183,12 +196,28 @@ def _materialize(
 ) -> torch.Tensor:
     if len(sources) == 1:
         return sources[0].to(device=device, dtype=dtype).contiguous()  # no copy when already right
+    if _back_to_back(sources, dtype, device):
+        first = sources[0]
+        return first.as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
     fused = torch.empty(shape, dtype=dtype, device=device)
     row = 0
     for src in sources:  # copy_ converts dtype/device in one pass, without a temporary
         fused[row : row + src.shape[0]].copy_(src)
         row += src.shape[0]
     return fused
+
+
+def _back_to_back(sources: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `sources` (already `dtype`, on `device`) are consecutive pieces of one storage."""
+    first = sources[0]
+    storage_ptr = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for src in sources:
+        if (src.dtype != dtype or src.device != device or not src.is_contiguous()
+                or src.untyped_storage().data_ptr() != storage_ptr or src.storage_offset() != offset):
+            return False
+        offset += src.numel()
+    return True
 
 
 def build_model(
