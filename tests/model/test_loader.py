@@ -402,3 +402,22 @@ def test_hf_directory_without_weights_is_rejected(tmp_path: Path) -> None:
     )
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         load_model(str(tmp_path))
+
+
+def test_cached_model_fuses_projections_as_views_of_the_map_without_copies(
+    smollm: loader.LoadedModel, cache_root: Path
+) -> None:
+    """The second load memory-maps the cache; q/k/v and gate/up lie back to back there, 64-byte
+    aligned, so the fused parameters are views of the map and nothing is copied."""
+    from kvrelay.model.llama import build_model
+
+    cached = load_model(None, cache_dir=str(cache_root))
+    model = build_model(cached.spec, cached.weights, torch.float32, torch.device("cpu"))
+    layer = model.model.layers[0]
+    qkv, q = layer.self_attn.qkv_proj.weight, cached.weights["model.layers.0.self_attn.q_proj.weight"]
+    gate_up = layer.mlp.gate_up_proj.weight
+    assert qkv.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+    assert qkv.data_ptr() == q.data_ptr()
+    for param in model.parameters():
+        assert param.data_ptr() % 64 == 0
+    assert gate_up.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
