@@ -44,6 +44,7 @@ def make_llm(kv_transfer_config: dict[str, Any] | None, num_blocks: int = NUM_BL
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    llm.engine.run_until_idle()  # let the background stores land (and report their stats)
     return [out.outputs[0].token_ids for out in outs]
 
 
