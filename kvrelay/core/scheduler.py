@@ -78,10 +78,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def has_pending_work(self) -> bool:
-        """True while anything (requests, held blocks, connector transfers) needs more steps."""
-        connector_busy = self.connector is not None and self.connector.has_pending_work()
-        return bool(self.waiting or self.running or self._held_by_connector
+    def has_pending_work(self, include_held: bool = True) -> bool:
+        """True while anything (requests, held blocks, connector transfers) needs more steps.
+        With include_held=False, blocks a connector holds for another instance (a producer's
+        blocks waiting for its consumer to read them) and the connector work they explain do
+        not count: they settle on that other instance's schedule, not this caller's."""
+        holding = bool(self._held_by_connector)
+        connector_busy = (self.connector is not None and not (holding and not include_held)
+                          and self.connector.has_pending_work())
+        return bool(self.waiting or self.running or (holding and include_held)
                     or self.remote.has_pending() or self._pending_outputs or connector_busy)
 
     # ----------------------------------------------------------------------------- intake

@@ -103,8 +103,10 @@ class LLM:
             if unfinished:  # interrupted: leave nothing of these requests in the engine
                 self.engine.abort_request(unfinished)
                 self.engine.step()
-        # NOTE: blocks a connector still holds (a producer waiting for its consumer to read)
-        # settle in later steps; `self.engine.run_until_idle()` waits for them.
+        # Let this instance's own side effects land (connector stores, loads of aborted
+        # requests). Blocks held for another instance to read settle on its schedule, in later
+        # steps: `self.engine.run_until_idle()` waits for those too.
+        self.engine.run_until_idle(include_held=False)
         return [final[rid] for rid in request_ids]
 
     def shutdown(self) -> None:

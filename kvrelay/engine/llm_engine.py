@@ -149,13 +149,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def has_pending_work(self) -> bool:
-        return self.scheduler.has_pending_work()
+    def has_pending_work(self, include_held: bool = True) -> bool:
+        return self.scheduler.has_pending_work(include_held)
 
-    def run_until_idle(self, timeout_s: float = 60.0) -> None:
-        """Step until no request, transfer or held block remains (used after the last output)."""
+    def run_until_idle(self, timeout_s: float = 60.0, include_held: bool = True) -> None:
+        """Step until no request, transfer or held block remains (used after the last output).
+        include_held=False does not wait for blocks held for another instance to read."""
         deadline = time.monotonic() + timeout_s
-        while self.has_pending_work():
+        while self.has_pending_work(include_held):
             if time.monotonic() > deadline:
                 raise TimeoutError("the engine still has pending work after "
                                    f"{timeout_s:.0f} s: {self.scheduler.stats.as_dict()}")
