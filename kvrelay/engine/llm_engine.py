@@ -22,6 +22,7 @@ from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+_IDLE_STEP_SLEEP_S = 0.0005
 
 
 class LLMEngine:
@@ -144,6 +145,10 @@ class LLMEngine:
         for req_id, stop in stopped.items():  # a stop string ends the request outside the step
             self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop,
                                            report=False)
+        if sched_out.is_empty and not outputs:
+            # NOTE: nothing ran: only transfers are in flight. Yield the GIL (and the core) to
+            # the connector's threads instead of spinning, or a loop of empty steps starves them.
+            time.sleep(_IDLE_STEP_SLEEP_S)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
