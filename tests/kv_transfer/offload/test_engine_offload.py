@@ -115,7 +115,8 @@ def test_a_prompt_sharing_a_stored_prefix_loads_it_and_computes_the_rest(tmp_pat
 def test_eviction_under_a_byte_budget_keeps_the_most_recently_used_chunks():
     a, b, c = prompts_of([33, 33, 33], seed=3)  # 2 chunks each
     llm = make_llm(offload_config(cpu_bytes=1, **SYNC))  # replaced below with a 4-chunk budget
-    chunk_bytes = llm.engine.runner.connector.worker.store.payload_bytes + 128
+    worker = llm.engine.runner.connector.worker
+    chunk_bytes = worker.store.payload_bytes + worker.background.header_bytes  # one stored blob
     llm.engine.runner.connector.shutdown()
     llm = make_llm(offload_config(cpu_bytes=4 * chunk_bytes, **SYNC))
     generate(llm, [a])
@@ -135,7 +136,8 @@ def test_eviction_under_a_byte_budget_keeps_the_most_recently_used_chunks():
 def test_a_disk_hit_is_promoted_to_the_cpu_tier(tmp_path):
     a, b = prompts_of([33, 33], seed=4)
     probe = make_llm(offload_config(cpu_bytes=1))
-    chunk_bytes = probe.engine.runner.connector.worker.store.payload_bytes + 128
+    probe_worker = probe.engine.runner.connector.worker
+    chunk_bytes = probe_worker.store.payload_bytes + probe_worker.background.header_bytes
     probe.engine.runner.connector.shutdown()
     config = offload_config(cpu_bytes=2 * chunk_bytes, disk_dir=str(tmp_path), **SYNC)
     llm = make_llm(config)
