@@ -24,7 +24,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -217,14 +216,7 @@ def bench_url(url: str, args: argparse.Namespace, workload: Workload, label: str
 def bench_compare(args: argparse.Namespace,
                   workload: Workload) -> tuple[list[RateSummary], list[RateSummary]]:
     """kvrelay up (1P1D) first, then one serve with all the threads; never both at once."""
-    from kvrelay.disagg.launcher import (
-        ChildProcess,
-        ClusterSpec,
-        LocalCluster,
-        available_cores,
-        free_port,
-        stop_children,
-    )
+    from kvrelay.disagg.launcher import ClusterSpec, LocalCluster, available_cores, single_instance
 
     total = args.threads or available_cores()
     serve_args = ("--kv-cache-memory", args.kv_cache_memory)
@@ -233,28 +225,10 @@ def bench_compare(args: argparse.Namespace,
     print(f"starting kvrelay up (1P1D, {spec.threads} thread(s) each) ...", flush=True)
     with LocalCluster(spec) as cluster:
         pd = bench_url(cluster.url, args, workload, "P/D")
-    port = free_port()
-    argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve", *([args.model] if args.model else []),
-            "--port", str(port), "--threads", str(total), *serve_args]
-    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
-        single = ChildProcess("single", argv, f"http://127.0.0.1:{port}", Path(tmp) / "serve.log",
-                              env={"OMP_NUM_THREADS": str(total)})
-        print(f"starting one kvrelay serve ({total} thread(s)) ...", flush=True)
-        single.start()
-        try:
-            _wait_healthy(single)
-            alone = bench_url(single.url, args, workload, "single")
-        finally:
-            stop_children([single], grace_period=10)
+    print(f"starting one kvrelay serve ({total} thread(s)) ...", flush=True)
+    with single_instance(args.model, total, serve_args) as single:
+        alone = bench_url(single.url, args, workload, "single")
     return pd, alone
-
-
-def _wait_healthy(child: Any, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not child.is_healthy():
-        if child.exit_code() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{child.name} did not become healthy:\n{child.log_tail()}")
-        time.sleep(0.25)
 
 
 # ----------------------------------------------------------------------------- output

@@ -14,21 +14,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import statistics
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-from kvrelay.disagg.launcher import (
-    ChildProcess,
-    ClusterSpec,
-    LocalCluster,
-    available_cores,
-    free_port,
-    stop_children,
-)
+from kvrelay.disagg.launcher import ClusterSpec, LocalCluster, available_cores, single_instance
 from kvrelay.disagg.stream_client import stream_completion
 
 MAX_TOKENS = 4
@@ -71,28 +61,10 @@ def bench_ttft(sizes: list[int], reps: int, threads: int | None = None) -> dict[
     with LocalCluster(spec) as cluster:
         print(f"  up in {time.monotonic() - started:.0f} s", flush=True)
         pd = measure_ttfts(cluster.url, sizes, reps, first_tokens)
-    port = free_port()
-    argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve", "--port", str(port),
-            "--threads", str(total)]
-    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
-        single = ChildProcess("single", argv, f"http://127.0.0.1:{port}", Path(tmp) / "serve.log",
-                              env={"OMP_NUM_THREADS": str(total)})
-        print(f"TTFT: starting one kvrelay serve ({total} thread(s)) ...", flush=True)
-        single.start()
-        try:
-            _wait_healthy(single)
-            alone = measure_ttfts(single.url, sizes, reps, first_tokens)
-        finally:
-            stop_children([single], grace_period=10)
+    print(f"TTFT: starting one kvrelay serve ({total} thread(s)) ...", flush=True)
+    with single_instance(None, total) as single:
+        alone = measure_ttfts(single.url, sizes, reps, first_tokens)
     return {"P/D": pd, "single": alone}
-
-
-def _wait_healthy(child: ChildProcess, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not child.is_healthy():
-        if child.exit_code() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{child.name} did not become healthy:\n{child.log_tail()}")
-        time.sleep(0.25)
 
 
 def print_ttft_table(ttfts: dict[str, dict[int, list[float]]]) -> None:

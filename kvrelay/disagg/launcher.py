@@ -15,6 +15,7 @@ returns the connector's `kv_connector_extra_config` and any environment the chil
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,46 @@ def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any]) ->
     return argv
 
 
+def wait_healthy(children: list[ChildProcess], timeout_s: float) -> None:
+    """Block until every child answers /health; ClusterError (with its log) if one exits first
+    or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            code = child.exit_code()
+            if code is not None:
+                raise ClusterError(f"{child.name} exited with code {code} while starting; "
+                                   f"last lines of {child.log_path}:\n{child.log_tail()}")
+            if child.is_healthy():
+                pending.remove(child)
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
+            raise ClusterError(f"not healthy after {timeout_s:.0f} s: "
+                               f"{', '.join(c.name for c in pending)}\n{tails}")
+        if pending:
+            time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def single_instance(model: str | None, threads: int, serve_args: tuple[str, ...] = (),
+                    startup_timeout: float = 600.0, grace_period: float = 10.0) -> Iterator[ChildProcess]:
+    """One plain `kvrelay serve` (no connector) on a free loopback port, healthy while the
+    block runs and stopped after it: the baseline the P/D benchmarks compare against."""
+    port = free_port()
+    argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve", *([model] if model else []),
+            "--port", str(port), "--threads", str(threads), *serve_args]
+    with tempfile.TemporaryDirectory(prefix="kvrelay-single-") as tmp:
+        child = ChildProcess("single", argv, f"http://127.0.0.1:{port}", Path(tmp) / "serve.log",
+                             env={"OMP_NUM_THREADS": str(threads)})
+        child.start()
+        try:
+            wait_healthy([child], startup_timeout)
+            yield child
+        finally:
+            stop_children([child], grace_period)
+
+
 class LocalCluster:
     """P and D serve processes and the proxy, started in that order, stopped together."""
 
@@ -307,22 +348,7 @@ class LocalCluster:
                             log_dir / f"{name}.log", env)
 
     def _wait_healthy(self, children: list[ChildProcess]) -> None:
-        deadline = time.monotonic() + self.spec.startup_timeout
-        pending = list(children)
-        while pending:
-            for child in list(pending):
-                code = child.exit_code()
-                if code is not None:
-                    raise ClusterError(f"{child.name} exited with code {code} while starting; "
-                                       f"last lines of {child.log_path}:\n{child.log_tail()}")
-                if child.is_healthy():
-                    pending.remove(child)
-            if pending and time.monotonic() > deadline:
-                tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
-                raise ClusterError(f"not healthy after {self.spec.startup_timeout:.0f} s: "
-                                   f"{', '.join(c.name for c in pending)}\n{tails}")
-            if pending:
-                time.sleep(0.25)
+        wait_healthy(children, self.spec.startup_timeout)
 
     def wait_for_exit(self, poll_interval: float = 0.5) -> ChildProcess:
         """Block until some child exits; returns it (the caller then stops the rest)."""
