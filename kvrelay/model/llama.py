@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.model.attention import Attention
-from kvrelay.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 from kvrelay.model.spec import ModelSpec
 
 # Fused parameter -> the Hugging Face projections stacked (along dim 0) into it.
@@ -46,8 +45,8 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.attn = Attention(
@@ -107,7 +106,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
@@ -115,7 +114,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
 
     def attention_layers(self) -> dict[str, Attention]:
         """Attention modules by layer name, in layer order."""
