@@ -8,6 +8,7 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 | `KVRELAY_CACHE_DIR` | `~/.cache/kvrelay` | converted models (`models/`) and other disk caches |
 | `KVRELAY_API_KEY`   | unset              | key `kvrelay serve` requires as `Authorization: Bearer` |
 | `KVRELAY_KV_SECRET` | unset              | P/D cluster secret (>= 16 chars); `secret_file` wins |
+| `KVRELAY_NATIVE_KERNELS` | `1`           | `0`: never compile/use the C decode-attention kernel |
 """
 
 from __future__ import annotations
@@ -32,3 +33,8 @@ def api_key() -> str | None:
 def kv_secret() -> str | None:
     """The KV transfer secret shared by a P/D cluster (`KVRELAY_KV_SECRET`), or None."""
     return os.environ.get("KVRELAY_KV_SECRET") or None
+
+
+def native_kernels() -> bool:
+    """Whether kvrelay may compile and use its native CPU kernels (`KVRELAY_NATIVE_KERNELS`, default on)."""
+    return os.environ.get("KVRELAY_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")

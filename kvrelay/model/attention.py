@@ -17,12 +17,14 @@ probability, so the KV tensors must hold finite values: allocate them with `torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.model.native import MAX_GROUP, paged_decode_kernel
 from kvrelay.worker.forward_context import get_forward_context
 
 
@@ -34,6 +36,7 @@ class DecodeBatch:
     num_seqs: int
     max_blocks: int  # padded block-table width
     block_ids: torch.Tensor  # [num_seqs * max_blocks] int64, padded block tables, row-major
+    seq_lens: torch.Tensor  # [num_seqs] int64, context length of each after this step
     mask: torch.Tensor  # [num_seqs, 1, max_blocks * block_size] float32: 0 = context, -inf = padding
     _mask_by_dtype: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -170,7 +173,8 @@ def _decode_batch(
         token_index = slice(first, first + len(seqs))
     else:
         token_index = torch.tensor(rows_in_batch, dtype=torch.int64, device=device)
-    return DecodeBatch(token_index, len(seqs), max_blocks, block_ids, mask[:, None, :])
+    seq_len_tensor = torch.tensor(lens, dtype=torch.int64, device=device)
+    return DecodeBatch(token_index, len(seqs), max_blocks, block_ids, seq_len_tensor, mask[:, None, :])
 
 
 class Attention(nn.Module):
@@ -218,6 +222,29 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, batch: DecodeBatch, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence, all sequences at once -> [num_seqs, H*D].
+
+        On the CPU in float32, the native kernel reads each sequence's blocks in place; elsewhere
+        (or without a C compiler) `_decode_torch`."""
+        kernel = self._native_decode()
+        if kernel is None:
+            return self._decode_torch(q, batch, meta)
+        queries = q[batch.token_index]  # [n, H*D], a strided view when the rows are consecutive
+        if queries.stride(-1) != 1:
+            queries = queries.contiguous()
+        out = q.new_empty(batch.num_seqs, self.num_heads * self.head_dim)  # [n, H*D]
+        block_tables = batch.block_ids.view(batch.num_seqs, batch.max_blocks)  # [n, max_blocks]
+        kernel(queries, self.kv_cache, block_tables, batch.seq_lens, out, self.scale)
+        return out
+
+    def _native_decode(self) -> Callable[..., None] | None:
+        cache = self.kv_cache
+        if (cache.device.type != "cpu" or cache.dtype != torch.float32 or not cache.is_contiguous()
+                or self.num_heads // self.num_kv_heads > MAX_GROUP):
+            return None
+        return paged_decode_kernel()
+
+    def _decode_torch(self, q: torch.Tensor, batch: DecodeBatch, meta: AttentionMetadata) -> torch.Tensor:
+        """The plain-torch decode: gathers the blocks into a padded copy, then batched matmuls.
 
         Works one KV head at a time, and gathers V only after K's scores are done, so each
         gathered tensor (num_seqs * L * D) is read back while it is still in cache.

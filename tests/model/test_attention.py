@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from kvrelay.model import native
 from kvrelay.model.attention import Attention, build_attention_metadata
+from kvrelay.model.native import paged_decode_kernel
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 
 H, HKV, D, BS = 4, 2, 8, 4
@@ -104,3 +106,73 @@ def test_connector_hooks_wrap_every_layer_in_order() -> None:
     assert list(model.attention_layers()) == names
     one_step = [(hook, name) for name in names for hook in ("wait_for_layer_load", "save_kv_layer")]
     assert connector.calls == one_step * 2
+
+
+
+def scattered_decode(
+    num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int], sharpness: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step over a paged cache whose blocks are shuffled: returns the layer output and the
+    reference computed from the cache contents (including this step's k/v, written by the layer)."""
+    torch.manual_seed(1)
+    block_size = 16
+    counts = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(sum(counts) + 3).tolist()  # blocks anywhere, a few unused
+    tables = [perm[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(lens))]
+    attn = Attention("layer", num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
+    attn.kv_cache = torch.randn(len(perm), 2, num_kv_heads, block_size, head_dim)
+    q = torch.randn(len(lens), num_heads * head_dim) * sharpness
+    new_k, new_v = torch.randn(2, len(lens), num_kv_heads * head_dim)
+    meta = build_attention_metadata([1] * len(lens), lens, tables, block_size, torch.device("cpu"))
+    with set_forward_context(ForwardContext(attn_metadata={"layer": meta})):
+        out = attn(q, new_k, new_v)
+    expected = []
+    for i, (seq_len, table) in enumerate(zip(lens, tables, strict=True)):
+        blocks = attn.kv_cache[table]  # [nb, 2, Hkv, bs, D]
+        k = blocks[:, 0].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, Hkv, D]
+        v = blocks[:, 1].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, Hkv, D]
+        torch.testing.assert_close(k[-1].flatten(), new_k[i])  # this step's key landed in its slot
+        expected.append(reference_attention(q[i].view(1, num_heads, head_dim), k, v, seq_len - 1))
+    return out, torch.cat(expected)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 24), (2, 1, 64)]
+)
+def test_decode_over_scattered_blocks_matches_reference(
+    native: bool, num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "1" if native else "0")
+    if native and paged_decode_kernel() is None:
+        pytest.skip("no C compiler here: the native kernel is unavailable")
+    lens = [1, 15, 16, 17, 40, 300]  # one token, inside a block, at and across block edges, long
+    out, expected = scattered_decode(num_heads, num_kv_heads, head_dim, lens)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_native_decode_handles_peaked_softmax() -> None:
+    # Scores far apart: most weights underflow to zero, as in a model attending to one token.
+    if paged_decode_kernel() is None:
+        pytest.skip("no C compiler here: the native kernel is unavailable")
+    out, expected = scattered_decode(9, 3, 64, [5, 70, 129], sharpness=40.0)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_native_kernel_off_or_unbuildable_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0")
+    assert paged_decode_kernel() is None
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "1")
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native._load_paged_decode.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert paged_decode_kernel() is None
+        assert "decode attention uses torch" in caplog.text
+        out, expected = scattered_decode(4, 2, 64, [3, 33])  # and attention still works
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    finally:
+        native._load_paged_decode.cache_clear()
