@@ -25,22 +25,27 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]; the same result as `F.linear`.
 
-    On the CPU in float32, the weight's rows are cut in `_ROW_PARTS` equal parts and multiplied
-    as one `bmm`: each thread streams its own part. Measured here (2 threads, MKL on an AMD EPYC)
-    this reads the weights 2-3x faster than `F.linear` at 1-8 rows (the decode case, bound by
-    memory bandwidth: 29 GB/s against ~10) and 15-30% faster at 64-512 rows. Elsewhere: F.linear.
+    On the CPU in float32 and for few rows (decode batches), the weight's rows are cut in
+    `_ROW_PARTS` equal parts multiplied as one `bmm`, so each thread streams its own part. Measured
+    here (2 threads, MKL on an AMD EPYC): 2.5x faster than `F.linear` at 1-4 rows, where reading
+    the weights is the whole cost (29 GB/s against ~10); about even from 8 to 96 rows; slower from
+    128 rows on, where putting the output back in row-major order costs more than it saves.
     """
     out_features, in_features = weight.shape
-    if x.device.type != "cpu" or weight.dtype != torch.float32 or out_features % _ROW_PARTS or x.dim() != 2:
+    if (x.device.type != "cpu" or weight.dtype != torch.float32 or out_features % _ROW_PARTS
+            or x.dim() != 2 or x.shape[0] > _ROW_SPLIT_MAX_TOKENS):
         return F.linear(x, weight, bias)
     num_tokens = x.shape[0]
     parts = weight.view(_ROW_PARTS, out_features // _ROW_PARTS, in_features)  # [P, out/P, in]
     out = torch.bmm(parts, x.t().expand(_ROW_PARTS, in_features, num_tokens))  # [P, out/P, T]
-    out = out.permute(2, 0, 1).reshape(num_tokens, out_features)  # [T, out] (a view when T == 1)
+    # NOTE: contiguous(): a reshape alone would be a column-major view, which every later op (and
+    # scaled_dot_product_attention's fast path) pays for. Free when T == 1.
+    out = out.permute(2, 0, 1).contiguous().view(num_tokens, out_features)  # [T, out]
     return out if bias is None else out.add_(bias)
 
 
 _ROW_PARTS = 2
+_ROW_SPLIT_MAX_TOKENS = 64
 
 
 class Linear(nn.Linear):

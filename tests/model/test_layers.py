@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from kvrelay.model.layers import Linear, linear
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 200])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_equals_f_linear(num_tokens: int, with_bias: bool) -> None:
     torch.manual_seed(0)
@@ -14,6 +14,7 @@ def test_linear_equals_f_linear(num_tokens: int, with_bias: bool) -> None:
     x = torch.randn(num_tokens, 40)
     out = linear(x, weight, bias)
     assert out.shape == (num_tokens, 96)
+    assert out.is_contiguous()  # row-major, as later ops (and SDPA's fast path) expect
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
