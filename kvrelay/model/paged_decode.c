@@ -38,10 +38,11 @@ static inline float exp_nonpositive(float x) {
     return p * two_k;
 }
 
-/* Ask for the next block's K or V slice (head_stride floats) while this one is being read: blocks
- * lie anywhere in the cache, and the hardware prefetcher does not guess the next one. */
-static inline void prefetch_slice(const float *slice, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(slice + i);
+/* Ask for one row of a block that will be read soon. Blocks lie anywhere in the cache and the
+ * hardware prefetcher does not guess the next one; asking for a whole block at once stalls on the
+ * queue of outstanding misses, so the next block is requested one row per row read now. */
+static inline void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
 }
 
 static inline float dot(int64_t n, const float *restrict x, const float *restrict y) {
@@ -74,10 +75,12 @@ static inline void attend(
 
     for (int64_t b = 0, t = 0; t < len; b++) {  /* pass 1: scores[g][t] = q_g . k_t * scale */
         const float *k = kv + table[b] * block_stride + h * head_stride;  /* [block_size, D] */
-        if (t + block_size < len) prefetch_slice(kv + table[b + 1] * block_stride + h * head_stride, head_stride);
-        for (int64_t i = 0; i < block_size && t < len; i++, t++, k += head_dim)
+        const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride + h * head_stride;
+        for (int64_t i = 0; i < block_size && t < len; i++, t++, k += head_dim) {
+            prefetch_row(next + i * head_dim, head_dim);
             for (int64_t g = 0; g < group; g++)
                 scores[g * max_context + t] = dot(head_dim, qh + g * head_dim, k) * scale;
+        }
     }
     float total[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {  /* softmax numerators, in place */
@@ -94,11 +97,13 @@ static inline void attend(
     for (int64_t i = 0; i < group * head_dim; i++) oh[i] = 0.0f;
     for (int64_t b = 0, t = 0; t < len; b++) {  /* pass 2: out_g = sum_t p[g][t] v_t */
         const float *v = kv + table[b] * block_stride + (num_kv_heads + h) * head_stride;
-        if (t + block_size < len)
-            prefetch_slice(kv + table[b + 1] * block_stride + (num_kv_heads + h) * head_stride, head_stride);
-        for (int64_t i = 0; i < block_size && t < len; i++, t++, v += head_dim)
+        const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride
+                            + (num_kv_heads + h) * head_stride;
+        for (int64_t i = 0; i < block_size && t < len; i++, t++, v += head_dim) {
+            prefetch_row(next + i * head_dim, head_dim);
             for (int64_t g = 0; g < group; g++)
                 axpy(head_dim, scores[g * max_context + t], v, oh + g * head_dim);
+        }
     }
     for (int64_t g = 0; g < group; g++) {
         const float inv = 1.0f / total[g];
