@@ -14,7 +14,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
 #define MAX_GROUP 64 /* query heads per KV head; the caller checks */
 
@@ -22,7 +21,7 @@
  * with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (relative error ~1e-7), times 2^k built
  * in the exponent bits. Below -87 the result is clamped to exp(-87) ~ 1.6e-38, i.e. zero weight. */
 static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
+    x = fmaxf(x, -87.0f);
     const float k = (float)(int)(x * 1.44269504f - 0.5f);  /* round to nearest (x <= 0) */
     const float r = x - k * 0.693359375f + k * 2.12194440e-4f;  /* x - k ln2, ln2 in two parts */
     float p = 1.9875691500e-4f;
@@ -32,10 +31,8 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23;  /* the float 2^k */
-    float two_k;
-    memcpy(&two_k, &bits, sizeof two_k);
-    return p * two_k;
+    const union { int32_t bits; float value; } two_k = {.bits = ((int32_t)k + 127) << 23};  /* 2^k */
+    return p * two_k.value;
 }
 
 /* Ask for one row of a block that will be read soon. Blocks lie anywhere in the cache and the
@@ -87,11 +84,10 @@ static inline void attend(
         float *sg = scores + g * max_context, top = sg[0], sum = 0.0f;
 #pragma omp simd reduction(max : top)
         for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sg[t] = exp_nonpositive(sg[t] - top);
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_nonpositive(sg[t] - top);
-            sum += sg[t];
-        }
+        for (int64_t t = 0; t < len; t++) sum += sg[t];
         total[g] = sum;
     }
     for (int64_t i = 0; i < group * head_dim; i++) oh[i] = 0.0f;
