@@ -43,7 +43,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = _normalise_stop(self.stop)
+        self.stop = _normalise_stop(self.stop)  # from here on always a list
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self._check_types()
         self._check_ranges()

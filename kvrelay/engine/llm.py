@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
 from kvrelay.engine.llm_engine import LLMEngine, PromptType
 from kvrelay.model.loader import LoadedModel
 from kvrelay.outputs import RequestOutput
@@ -36,7 +36,8 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               seed=seed),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+            cache=CacheConfig(block_size=block_size,
+                              kv_cache_memory=parse_size(kv_cache_memory, "kv_cache_memory"),
                               enable_prefix_caching=enable_prefix_caching,
                               num_blocks_override=num_blocks),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -85,8 +86,8 @@ class LLM:
             return [prompts]
         prompt_list = list(prompts)
         if prompt_list and all(isinstance(t, int) for t in prompt_list):
-            return [prompt_list]  # a single prompt given as token ids
-        return prompt_list
+            return [cast(list[int], prompt_list)]  # a single prompt given as token ids
+        return cast(list[PromptType], prompt_list)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -99,13 +99,13 @@ class OutputProcessor:
         delta = state.detokenizer.append(core.new_token_ids)
         if not delta:
             return None
-        start = max(0, len(state.text) - max((len(s) for s in state.params.stop), default=0) + 1)
+        start = max(0, len(state.text) - max((len(s) for s in _stops(state)), default=0) + 1)
         state.text += delta
         return self._find_stop(state, start)
 
     def _find_stop(self, state: _RequestState, search_from: int) -> str | None:
         best: tuple[int, str] | None = None
-        for stop in state.params.stop:
+        for stop in _stops(state):
             idx = state.text.find(stop, search_from)
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, stop)
@@ -130,7 +130,7 @@ class OutputProcessor:
                      stop_reason: Any) -> RequestOutput:
         finished = finish_reason is not None
         # While streaming, hold back text that could still become the start of a stop string.
-        hold = 0 if finished else max((len(s) for s in state.params.stop), default=1) - 1
+        hold = 0 if finished else max((len(s) for s in _stops(state)), default=1) - 1
         visible = len(state.text) - hold if hold else len(state.text)
         visible = max(visible, state.sent_text_len)
         delta_text = state.text[state.sent_text_len:visible]
@@ -146,3 +146,9 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=[completion], finished=finished, kv_transfer_params=core.kv_transfer_params,
             num_cached_tokens=core.num_cached_tokens, error=core.error)
+
+
+def _stops(state: _RequestState) -> list[str]:
+    """The request's stop strings (SamplingParams normalises `stop` to a list on construction)."""
+    stop = state.params.stop
+    return [stop] if isinstance(stop, str) else list(stop or ())
