@@ -154,8 +154,10 @@ def measure_stores(disk_dir: str, redis_url: str, num_chunks: int) -> dict[str, 
     for tier, config in (("cpu", {"cpu_bytes": "2GiB"}), ("disk", {"disk_dir": disk_dir}),
                          ("redis", {"remote_url": redis_url})):
         llm = offload_llm(**config)
+        os.sync()  # each side starts without dirty pages left by the other to write back
         store_gbps = store_throughput(llm, num_chunks)
         payload = os.urandom(connector(llm).worker.store.payload_bytes)
+        os.sync()
         results[tier] = (store_gbps, raw_throughput(tier, payload, num_chunks, disk_dir, redis_url))
         close(llm)
         print(f"  store {tier}: {results[tier][0]:.2f} GB/s, raw {results[tier][1]:.2f} GB/s", flush=True)
