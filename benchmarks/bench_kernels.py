@@ -1,0 +1,97 @@
+"""What each CPU fast path buys inside a real decode step (SmolLM2-135M fp32, 2 threads).
+
+    .venv/bin/python benchmarks/bench_kernels.py [--batches 1 16 64] [--steps 30]
+
+For each batch size, one engine decodes that many requests (256-token prompts) and the measured
+steps alternate between the fast path and its plain-torch baseline, step by step, so both sides
+see the same machine state (on a shared VM, separate runs drift by 10% and more):
+
+  attention  kvrelay/model/paged_decode.c (blocks read in place) against the torch route
+             (gather the blocks into a padded copy, then batched matmuls);
+  linear     kvrelay.model.layers.linear's row-split bmm against F.linear.
+
+Prints the median step time of each side and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_offline import fresh_loaded, make_llm, prompt_ids  # noqa: E402
+
+import kvrelay.model.layers as layers  # noqa: E402
+from kvrelay import SamplingParams  # noqa: E402
+
+
+def set_attention(native: bool) -> None:
+    os.environ["KVRELAY_NATIVE_KERNELS"] = "1" if native else "0"  # read on every call
+
+
+def set_linear(row_split: bool) -> None:
+    layers._ROW_SPLIT_MAX_TOKENS = 64 if row_split else 0
+
+
+def alternate(batch: int, steps: int, toggle: Callable[[bool], None]) -> tuple[float, float]:
+    """Median step seconds with the fast path off and on, alternating every step."""
+    llm = make_llm(fresh_loaded(), max_num_seqs=batch, max_num_batched_tokens=4096)
+    engine = llm.engine
+    rng = random.Random(1)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request({"prompt_token_ids": prompt_ids(rng, 256, engine.spec.vocab_size)}, params,
+                           request_id=f"r{i}")
+    started: set[str] = set()
+    while len(started) < batch:  # every prefill done
+        started.update(o.request_id for o in engine.step())
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for k in range(steps):
+            fast = k % 2 == 1
+            toggle(fast)
+            start = time.perf_counter()
+            outs = engine.step()
+            times[fast].append(time.perf_counter() - start)
+            assert len(outs) == batch, "every request must decode in the measured steps"
+    finally:
+        toggle(True)
+        engine.abort_request([f"r{i}" for i in range(batch)])
+        engine.run_until_idle()
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name, toggle, baseline in (("attention", set_attention, "torch gather"),
+                                   ("linear", set_linear, "F.linear")):
+        for batch in args.batches:
+            off, on = alternate(batch, args.steps, toggle)
+            rows.append((name, batch, baseline, off, on))
+            print(f"  {name} batch {batch}: {baseline} {off * 1e3:.1f} ms, fast path {on * 1e3:.1f} ms",
+                  flush=True)
+    print(f"\ndecode step time, fast path against its baseline, alternating steps ({args.threads} threads)")
+    print(f"{'path':<10} {'batch':>5} {'baseline':>13} {'base ms':>8} {'fast ms':>8} {'speed-up':>8}")
+    for name, batch, baseline, off, on in rows:
+        print(f"{name:<10} {batch:>5} {baseline:>13} {off * 1e3:>8.1f} {on * 1e3:>8.1f} {off / on:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
