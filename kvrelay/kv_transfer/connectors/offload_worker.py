@@ -11,6 +11,7 @@ step, rather than keeping the request's blocks pinned (delay_free) until a tier 
 means a block is never read after the scheduler may reuse it, also when a request is preempted
 (preemption frees blocks without asking the connector). The staging buffers are a fixed pool
 (`max_pending_stores`): when all are in flight a chunk is dropped, never queued without bound.
+The writer thread runs at the lowest CPU priority: it uses what the model's threads leave.
 """
 
 from __future__ import annotations
@@ -283,8 +284,9 @@ def _lower_this_thread_priority() -> None:
 
     The writer is never urgent, but on a machine whose cores all run the model's threads, a writer
     at equal priority preempts one of them and the whole parallel region waits for it: measured
-    here, the decode steps beside a stream of prefills took +30% with stores on. Where per-thread
-    priorities do not exist this does nothing."""
+    here (benchmarks/bench_offload.py), a decode beside a stream of prefills slowed by +30% with
+    stores on before this, by +7% to +21% after. Where per-thread priorities do not exist this
+    does nothing."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not allowed

@@ -5,6 +5,8 @@ Every test ends with no block in use and no pending work."""
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import pytest
@@ -169,3 +171,15 @@ def test_concurrent_requests_sharing_a_prefix_store_each_chunk_once_and_agree(tm
     assert generate(again, prompts) == reference_tokens(prompts)
     assert_loaded_stored_prefixes(again.engine.get_stats(), prompts)
     assert_no_leak(again)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread priorities are a POSIX/Linux feature")
+def test_the_store_writer_thread_runs_at_the_lowest_cpu_priority():
+    # A writer at equal priority preempts the model's threads; it must only use what they leave.
+    llm = make_llm(offload_config(cpu_bytes="64MiB"))
+    generate(llm, PROMPTS[:1])  # the writer has stored at least one chunk by now
+    writer = next(t for t in threading.enumerate() if t.name == "kvrelay-offload-store")
+    assert writer.native_id is not None
+    assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # this thread untouched
+    assert_no_leak(llm)
