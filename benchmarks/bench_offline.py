@@ -25,6 +25,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -176,7 +177,7 @@ def step_flops(spec: ModelSpec, batch: int, context: int) -> float:
     return 2.0 * batch * (weights + attention)
 
 
-def matmul_ceiling(spec: ModelSpec, batch: int, repeats: int = 5) -> float:
+def matmul_ceiling(spec: ModelSpec, batch: int, repeats: int = 7) -> float:
     """FLOP/s of bare matmuls with the model's weight shapes at this batch (the compute ceiling)."""
     h, q, kv, inter = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, \
         spec.intermediate_size
@@ -192,12 +193,15 @@ def matmul_ceiling(spec: ModelSpec, batch: int, repeats: int = 5) -> float:
                 matmul(xs[i], w)
         matmul(xs[h], head)
 
-    # The ceiling is the faster of torch's own F.linear and kvrelay's linear route at these shapes.
-    best = float("inf")
+    # The ceiling is the faster of torch's own F.linear and kvrelay's linear route at these shapes,
+    # each timed by its median pass, the same statistic as the engine's step (a best-of-N here
+    # against a median there would compare a lucky pass with a typical one).
+    fastest = float("inf")
     for matmul in (torch.nn.functional.linear, linear):
         one_pass(matmul)
-        best = min(best, *(timed(lambda m=matmul: one_pass(m))[0] for _ in range(repeats)))
-    return flops / best
+        fastest = min(fastest, statistics.median(timed(lambda m=matmul: one_pass(m))[0]
+                                                 for _ in range(repeats)))
+    return flops / fastest
 
 
 def bench_step_efficiency(loaded: LoadedModel, batch: int = 64, prompt_len: int = 256,
@@ -222,7 +226,7 @@ def bench_step_efficiency(loaded: LoadedModel, batch: int = 64, prompt_len: int 
         times.append(t)
     engine.abort_request([f"s{i}" for i in range(batch)])
     engine.run_until_idle()
-    step_s = sorted(times)[len(times) // 2]
+    step_s = statistics.median(times)
     achieved = step_flops(spec, batch, prompt_len + decode_steps // 2) / step_s
     ceiling = matmul_ceiling(spec, batch)
     return Row(f"decode step efficiency @ batch {batch}", achieved / 1e9, ceiling / 1e9, "GFLOP/s", 0.7)
