@@ -37,6 +37,7 @@ class DecodeBatch:
     max_blocks: int  # padded block-table width
     block_ids: torch.Tensor  # [num_seqs * max_blocks] int64, padded block tables, row-major
     seq_lens: torch.Tensor  # [num_seqs] int64, context length of each after this step
+    max_block_id: int  # the largest id in block_ids (checked against the cache before native reads)
     mask: torch.Tensor  # [num_seqs, 1, max_blocks * block_size] float32: 0 = context, -inf = padding
     _mask_by_dtype: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -174,7 +175,9 @@ def _decode_batch(
     else:
         token_index = torch.tensor(rows_in_batch, dtype=torch.int64, device=device)
     seq_len_tensor = torch.tensor(lens, dtype=torch.int64, device=device)
-    return DecodeBatch(token_index, len(seqs), max_blocks, block_ids, seq_len_tensor, mask[:, None, :])
+    max_block_id = max(max(row) for row in rows)
+    return DecodeBatch(token_index, len(seqs), max_blocks, block_ids, seq_len_tensor, max_block_id,
+                       mask[:, None, :])
 
 
 class Attention(nn.Module):
@@ -228,6 +231,9 @@ class Attention(nn.Module):
         kernel = self._native_decode()
         if kernel is None:
             return self._decode_torch(q, batch, meta)
+        if not 0 <= batch.max_block_id < self.kv_cache.shape[0]:  # C reads wherever it is told
+            raise ValueError(f"{self.layer_name}: block id {batch.max_block_id} is outside the KV cache "
+                             f"({self.kv_cache.shape[0]} blocks)")
         queries = q[batch.token_index]  # [n, H*D], a strided view when the rows are consecutive
         if queries.stride(-1) != 1:
             queries = queries.contiguous()

@@ -70,6 +70,7 @@ def _load_paged_decode() -> PagedDecode | None:
         out: torch.Tensor,
         scale: float,
     ) -> None:
+        _check_decode_args(q, kv_cache, block_tables, seq_lens, out)  # C trusts every pointer
         num_blocks, _, num_kv_heads, block_size, head_dim = kv_cache.shape
         num_seqs, max_blocks = block_tables.shape
         num_heads = out.shape[1] // head_dim
@@ -81,6 +82,30 @@ def _load_paged_decode() -> PagedDecode | None:
            max_blocks, scale, threads)
 
     return paged_decode
+
+
+def _check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Raise ValueError, naming the argument, for a layout the C kernel would misread.
+    NOTE: only structure (cheap, every call); the values (block ids inside the cache, lengths
+    covered by the tables) are the caller's contract, checked once per step by attention.py."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [blocks, 2, Hkv, bs, D] tensor, "
+                         f"got {tuple(kv_cache.shape)}")
+    for name, t, dtype in (("q", q, torch.float32), ("kv_cache", kv_cache, torch.float32),
+                           ("out", out, torch.float32), ("block_tables", block_tables, torch.int64),
+                           ("seq_lens", seq_lens, torch.int64)):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    num_seqs = block_tables.shape[0]
+    if (block_tables.dim() != 2 or not block_tables.is_contiguous() or not seq_lens.is_contiguous()
+            or tuple(seq_lens.shape) != (num_seqs,) or q.shape[0] != num_seqs or out.shape != q.shape):
+        raise ValueError(f"shapes disagree or are not contiguous: q {tuple(q.shape)}, "
+                         f"out {tuple(out.shape)}, block_tables {tuple(block_tables.shape)}, "
+                         f"seq_lens {tuple(seq_lens.shape)}")
+    if q.stride(-1) != 1 or not out.is_contiguous() or q.shape[1] % kv_cache.shape[4]:
+        raise ValueError(f"q rows must be contiguous and out contiguous, with H*D a multiple of "
+                         f"{kv_cache.shape[4]}")
 
 
 def _build() -> Path:

@@ -176,3 +176,32 @@ def test_native_kernel_off_or_unbuildable_falls_back_to_torch(
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     finally:
         native._load_paged_decode.cache_clear()
+
+
+def test_native_kernel_rejects_a_layout_it_would_misread() -> None:
+    kernel = paged_decode_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here: the native kernel is unavailable")
+    cache = torch.zeros(8, 2, 2, 16, 64)
+    q, out = torch.zeros(3, 4 * 64), torch.zeros(3, 4 * 64)
+    tables, lens = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, dtype=torch.int64)
+    kernel(q, cache, tables, lens, out, 0.125)  # well formed: runs
+    with pytest.raises(ValueError, match="block_tables must be a CPU torch.int64"):
+        kernel(q, cache, tables.int(), lens, out, 0.125)
+    with pytest.raises(ValueError, match="kv_cache must be a contiguous"):
+        kernel(q, cache.transpose(2, 3), tables, lens, out, 0.125)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kernel(q, cache, tables, lens[:2], out, 0.125)
+    with pytest.raises(ValueError, match="q rows must be contiguous"):
+        kernel(torch.zeros(4 * 64, 3).t(), cache, tables, lens, out, 0.125)
+
+
+def test_decode_refuses_a_block_id_outside_the_cache() -> None:
+    if paged_decode_kernel() is None:
+        pytest.skip("no C compiler here: the native kernel is unavailable")
+    attn = Attention("layer", 4, 2, 64, scale=0.125)
+    attn.kv_cache = torch.zeros(4, 2, 2, 16, 64)
+    meta = build_attention_metadata([1], [20], [[1, 9]], 16, torch.device("cpu"))  # block 9 of 4
+    with set_forward_context(ForwardContext(attn_metadata={"layer": meta})):
+        with pytest.raises(ValueError, match="block id 9 is outside the KV cache"):
+            attn._decode(torch.zeros(1, 4 * 64), meta.decode, meta)
