@@ -236,7 +236,7 @@ class ItlResult:
     per_chunk_copy_out: float
     mixed_off: float  # median decode ITL beside a stream of prefills, stores off
     mixed_on: float  # ... the same workload with stores on
-    mixed_chunks: int  # chunks stored during the stores-on run
+    mixed_chunks: int  # chunks stored during the stores-on runs, all together
 
 
 def measure_itl(disk_dir: str, redis_url: str, num_tokens: int) -> ItlResult:
