@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
@@ -29,32 +28,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_offline import fresh_loaded, make_llm, prompt_ids  # noqa: E402
+from bench_offline import decoding_engine, stop_all  # noqa: E402
 
 import kvrelay.model.layers as layers  # noqa: E402
-from kvrelay import SamplingParams  # noqa: E402
 
 
 def set_attention(native: bool) -> None:
     os.environ["KVRELAY_NATIVE_KERNELS"] = "1" if native else "0"  # read on every call
 
 
+_ROW_SPLIT_MAX_TOKENS = layers._ROW_SPLIT_MAX_TOKENS  # kvrelay's own setting
+
+
 def set_linear(row_split: bool) -> None:
-    layers._ROW_SPLIT_MAX_TOKENS = 64 if row_split else 0
+    layers._ROW_SPLIT_MAX_TOKENS = _ROW_SPLIT_MAX_TOKENS if row_split else 0
 
 
 def alternate(batch: int, steps: int, toggle: Callable[[bool], None]) -> tuple[float, float]:
     """Median step seconds with the fast path off and on, alternating every step."""
-    llm = make_llm(fresh_loaded(), max_num_seqs=batch, max_num_batched_tokens=4096)
-    engine = llm.engine
-    rng = random.Random(1)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request({"prompt_token_ids": prompt_ids(rng, 256, engine.spec.vocab_size)}, params,
-                           request_id=f"r{i}")
-    started: set[str] = set()
-    while len(started) < batch:  # every prefill done
-        started.update(o.request_id for o in engine.step())
+    engine = decoding_engine(batch, prompt_len=256, decode_steps=steps)
     times: dict[bool, list[float]] = {False: [], True: []}
     try:
         for k in range(steps):
@@ -66,8 +58,7 @@ def alternate(batch: int, steps: int, toggle: Callable[[bool], None]) -> tuple[f
             assert len(outs) == batch, "every request must decode in the measured steps"
     finally:
         toggle(True)
-        engine.abort_request([f"r{i}" for i in range(batch)])
-        engine.run_until_idle()
+        stop_all(engine, batch)
     return statistics.median(times[False]), statistics.median(times[True])
 
 

@@ -204,9 +204,9 @@ def matmul_ceiling(spec: ModelSpec, batch: int, repeats: int = 7) -> float:
     return flops / fastest
 
 
-def bench_step_efficiency(loaded: LoadedModel, batch: int = 64, prompt_len: int = 256,
-                          decode_steps: int = 16) -> Row:
-    spec = loaded.spec
+def decoding_engine(batch: int, prompt_len: int, decode_steps: int) -> Any:
+    """An engine whose `batch` requests (ids r0..) have all finished their prefill and will each
+    decode at least `decode_steps` more tokens: every following step is a pure decode step."""
     llm = make_llm(fresh_loaded(), max_num_seqs=batch, max_num_batched_tokens=4096)
     engine = llm.engine
     rng = random.Random(1)
@@ -214,18 +214,29 @@ def bench_step_efficiency(loaded: LoadedModel, batch: int = 64, prompt_len: int 
     # those tokens, so that every request is still running in all the measured steps.
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 16, ignore_eos=True)
     for i in range(batch):
-        engine.add_request({"prompt_token_ids": prompt_ids(rng, prompt_len, spec.vocab_size)}, params,
-                           request_id=f"s{i}")
+        engine.add_request({"prompt_token_ids": prompt_ids(rng, prompt_len, engine.spec.vocab_size)}, params,
+                           request_id=f"r{i}")
     started: set[str] = set()
     while len(started) < batch:  # run every prefill
         started.update(o.request_id for o in engine.step())
+    return engine
+
+
+def stop_all(engine: Any, batch: int) -> None:
+    engine.abort_request([f"r{i}" for i in range(batch)])
+    engine.run_until_idle()
+
+
+def bench_step_efficiency(loaded: LoadedModel, batch: int = 64, prompt_len: int = 256,
+                          decode_steps: int = 16) -> Row:
+    spec = loaded.spec
+    engine = decoding_engine(batch, prompt_len, decode_steps)
     times = []
     for _ in range(decode_steps):
         t, outs = timed(engine.step)
         assert len(outs) == batch, "every request must decode in the measured steps"
         times.append(t)
-    engine.abort_request([f"s{i}" for i in range(batch)])
-    engine.run_until_idle()
+    stop_all(engine, batch)
     step_s = statistics.median(times)
     achieved = step_flops(spec, batch, prompt_len + decode_steps // 2) / step_s
     ceiling = matmul_ceiling(spec, batch)

@@ -38,12 +38,17 @@ class DecodeBatch:
     block_ids: torch.Tensor  # [num_seqs * max_blocks] int64, padded block tables, row-major
     seq_lens: torch.Tensor  # [num_seqs] int64, context length of each after this step
     max_block_id: int  # the largest id in block_ids (checked against the cache before native reads)
-    mask: torch.Tensor  # [num_seqs, 1, max_blocks * block_size] float32: 0 = context, -inf = padding
+    padded_len: int  # max_blocks * block_size, the context length every sequence is padded to
     _mask_by_dtype: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """[num_seqs, 1, padded_len]: 0 on a sequence's context, -inf on its padding. Built on first
+        use, once per step: only the torch route needs it, the native kernel reads seq_lens."""
         if dtype not in self._mask_by_dtype:
-            self._mask_by_dtype[dtype] = self.mask.to(dtype)
+            key_pos = torch.arange(self.padded_len, device=self.seq_lens.device)  # [L]
+            in_context = key_pos[None, :] < self.seq_lens[:, None]  # [num_seqs, L]
+            mask = torch.zeros(in_context.shape, dtype=dtype, device=self.seq_lens.device)
+            self._mask_by_dtype[dtype] = mask.masked_fill_(~in_context, float("-inf"))[:, None, :]
         return self._mask_by_dtype[dtype]
 
 
@@ -163,10 +168,6 @@ def _decode_batch(
         rows.append(table + [table[0]] * (max_blocks - len(table)))  # pad with a real block
     block_ids = torch.tensor(rows, dtype=torch.int64, device=device).flatten()
 
-    key_pos = torch.arange(max_blocks * block_size, device=device)  # [L]
-    in_context = key_pos[None, :] < torch.tensor(lens, device=device)[:, None]  # [num_seqs, L]
-    mask = torch.zeros(in_context.shape, device=device).masked_fill_(~in_context, float("-inf"))
-
     rows_in_batch = [query_start_loc[i] for i in seqs]
     first = rows_in_batch[0]
     token_index: slice | torch.Tensor
@@ -177,7 +178,7 @@ def _decode_batch(
     seq_len_tensor = torch.tensor(lens, dtype=torch.int64, device=device)
     max_block_id = max(max(row) for row in rows)
     return DecodeBatch(token_index, len(seqs), max_blocks, block_ids, seq_len_tensor, max_block_id,
-                       mask[:, None, :])
+                       max_blocks * block_size)
 
 
 class Attention(nn.Module):

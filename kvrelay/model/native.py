@@ -71,7 +71,7 @@ def _load_paged_decode() -> PagedDecode | None:
         scale: float,
     ) -> None:
         _check_decode_args(q, kv_cache, block_tables, seq_lens, out)  # C trusts every pointer
-        num_blocks, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+        _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
         num_seqs, max_blocks = block_tables.shape
         num_heads = out.shape[1] // head_dim
         threads = torch.get_num_threads()

@@ -108,7 +108,6 @@ def test_connector_hooks_wrap_every_layer_in_order() -> None:
     assert connector.calls == one_step * 2
 
 
-
 def scattered_decode(
     num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int], sharpness: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

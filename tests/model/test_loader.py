@@ -35,14 +35,12 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(
-    path: Path, arch: str = "llama", tied: bool = True, seed: int = 0
-) -> dict[str, np.ndarray]:
-    """A 2-layer float32 GGUF; returns the Hugging Face-layout weights it encodes."""
-    rng = np.random.default_rng(seed)
-    hidden, heads, kv_heads, head_dim, ffn, layers = 32, 4, 2, 8, 64, 2
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_alphabet()]
-    writer = gguf.GGUFWriter(str(path), arch)
+_TINY_DIMS = (32, 4, 2, 8, 64, 2)  # hidden, heads, kv_heads, head_dim, ffn, layers
+
+
+def _add_tiny_metadata(writer: gguf.GGUFWriter, tokens: list[str]) -> None:
+    """Hyper-parameters, tokenizer and chat template of the tiny GGUF."""
+    hidden, heads, kv_heads, head_dim, ffn, layers = _TINY_DIMS
     writer.add_block_count(layers)
     writer.add_context_length(256)
     writer.add_embedding_length(hidden)
@@ -61,6 +59,17 @@ def write_tiny_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+
+
+def write_tiny_gguf(
+    path: Path, arch: str = "llama", tied: bool = True, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """A 2-layer float32 GGUF; returns the Hugging Face-layout weights it encodes."""
+    rng = np.random.default_rng(seed)
+    hidden, heads, kv_heads, head_dim, ffn, layers = _TINY_DIMS
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_alphabet()]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _add_tiny_metadata(writer, tokens)
     hf: dict[str, np.ndarray] = {}
 
     def add(

@@ -178,8 +178,12 @@ def test_the_store_writer_thread_runs_at_the_lowest_cpu_priority():
     # A writer at equal priority preempts the model's threads; it must only use what they leave.
     llm = make_llm(offload_config(cpu_bytes="64MiB"))
     generate(llm, PROMPTS[:1])  # the writer has stored at least one chunk by now
-    writer = next(t for t in threading.enumerate() if t.name == "kvrelay-offload-store")
+    writer = next(t for t in llm.engine.runner.connector.worker.background._threads
+                  if t.name == "kvrelay-offload-store")
     assert writer.native_id is not None
     assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == 19
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # this thread untouched
     assert_no_leak(llm)
+    llm.engine.shutdown()
+    writer.join(10)
+    assert not writer.is_alive()
