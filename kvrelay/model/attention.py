@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.model.native import MAX_GROUP, paged_decode_kernel
+from kvrelay.model.native import paged_decode_kernel
 from kvrelay.worker.forward_context import get_forward_context
 
 
@@ -245,8 +245,7 @@ class Attention(nn.Module):
 
     def _native_decode(self) -> Callable[..., None] | None:
         cache = self.kv_cache
-        if (cache.device.type != "cpu" or cache.dtype != torch.float32 or not cache.is_contiguous()
-                or self.num_heads // self.num_kv_heads > MAX_GROUP):
+        if cache.device.type != "cpu" or cache.dtype != torch.float32 or not cache.is_contiguous():
             return None
         return paged_decode_kernel()
 

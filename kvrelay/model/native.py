@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-MAX_GROUP = 64  # query heads per KV head the kernel handles (MAX_GROUP in paged_decode.c)
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
@@ -61,6 +60,9 @@ def _load_paged_decode() -> PagedDecode | None:
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr,  # q, its row stride, kv, tables, lens, out, scratch
                    i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = None
+    scratch_floats = library.paged_decode_scratch_floats
+    scratch_floats.argtypes = [i64, i64, i64]  # num_heads, head_dim, block_size
+    scratch_floats.restype = i64
 
     def paged_decode(
         q: torch.Tensor,
@@ -75,8 +77,7 @@ def _load_paged_decode() -> PagedDecode | None:
         num_seqs, max_blocks = block_tables.shape
         num_heads = out.shape[1] // head_dim
         threads = torch.get_num_threads()
-        group = num_heads // num_kv_heads
-        scratch = torch.empty(threads * group * max_blocks * block_size, dtype=torch.float32)
+        scratch = torch.empty(threads * scratch_floats(num_heads, head_dim, block_size), dtype=torch.float32)
         fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
            out.data_ptr(), scratch.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
            max_blocks, scale, threads)

@@ -7,106 +7,173 @@
  * Layout (kvrelay/model/attention.py): kv [num_blocks, 2, num_kv_heads, block_size, head_dim],
  * K at index 0 and V at 1. A query head h reads KV head h / group (grouped-query attention).
  *
- * Work item = (sequence, KV head): its `group` query heads share every K/V row it loads, so each
- * row is read from memory once. Per item, two passes over the context: scores (q . k * scale) into a
- * per-thread buffer and their maximum, then exp, sum and the weighted sum of V rows.
+ * One pass over the context with an online softmax: per block, the scores of every query head of
+ * the work item (reading the block's K rows), then a running maximum and sum, then the weighted V
+ * rows. A block is read front to back, K of every head then V of every head, the order it lies in
+ * memory: reading 4 KB head slices scattered over the cache instead ran at 2/3 of the bandwidth.
+ * Work item = a sequence, or (sequence, KV head) when there are too few sequences to keep every
+ * thread busy; a KV row is read once for all the query heads of its group.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
-#define MAX_GROUP 64 /* query heads per KV head; the caller checks */
+/* 16 floats, the unit of the vector code; GCC and Clang lower it to AVX-512, AVX2, NEON, ... */
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
 
-/* exp(x) for x <= 0, in a form the compiler vectorizes (libm's expf is a scalar call): x = k ln2 + r
- * with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (relative error ~1e-7), times 2^k built
- * in the exponent bits. Below -87 the result is clamped to exp(-87) ~ 1.6e-38, i.e. zero weight. */
-static inline float exp_nonpositive(float x) {
-    x = fmaxf(x, -87.0f);
-    const float k = (float)(int)(x * 1.44269504f - 0.5f);  /* round to nearest (x <= 0) */
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;  /* x - k ln2, ln2 in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
+static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline float hsum(vf v) {  /* halves added pairwise (a scalar loop would be 15 serial adds) */
+    vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+           + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* exp(x) for x <= 0 on 16 lanes: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
+ * polynomial (relative error ~1e-7), times 2^k built in the exponent bits. Below -87 the result is
+ * clamped to exp(-87) ~ 1.6e-38, i.e. zero weight. */
+static inline vf exp_nonpositive(vf x) {
+    const vf floor_ = splat(-87.0f);
+    const vi below = x < floor_;
+    x = (vf)(((vi)floor_ & below) | ((vi)x & ~below));
+    const vi ki = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);  /* round to nearest (x <= 0) */
+    const vf k = __builtin_convertvector(ki, vf);
+    const vf r = x - k * 0.693359375f + k * 2.12194440e-4f;  /* x - k ln2, ln2 in two parts */
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const union { int32_t bits; float value; } two_k = {.bits = ((int32_t)k + 127) << 23};  /* 2^k */
-    return p * two_k.value;
+    return p * (vf)((ki + 127) << 23);  /* times 2^k */
 }
+static inline float exp1(float x) { return exp_nonpositive(splat(x))[0]; }
 
-/* Ask for one row of a block that will be read soon. Blocks lie anywhere in the cache and the
- * hardware prefetcher does not guess the next one; asking for a whole block at once stalls on the
- * queue of outstanding misses, so the next block is requested one row per row read now. */
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
-}
-
-static inline float dot(int64_t n, const float *restrict x, const float *restrict y) {
-    float sum = 0.0f;
+/* scores[i] = q . k_i for `rows` rows of `k` ([rows, D]); C = D / 16, or 0 when D is not a
+ * multiple of 16 (then the plain loop, which the compiler vectorizes as it can). */
+static inline void row_dots(int64_t C, int64_t D, const float *q, const float *k, int64_t rows,
+                            float *scores) {
+    if (C) {
+        vf qv[C];
+        for (int64_t c = 0; c < C; c++) qv[c] = load(q + 16 * c);
+        for (int64_t i = 0; i < rows; i++, k += D) {
+            vf acc = qv[0] * load(k);
+            for (int64_t c = 1; c < C; c++) acc += qv[c] * load(k + 16 * c);
+            scores[i] = hsum(acc);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < rows; i++, k += D) {
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += x[i] * y[i];
-    return sum;
+        for (int64_t d = 0; d < D; d++) sum += q[d] * k[d];
+        scores[i] = sum;
+    }
 }
 
-static inline void axpy(int64_t n, float a, const float *restrict x, float *restrict y) {  /* y += a x */
+/* acc = acc * scale + sum_i p_i v_i over `rows` rows of `v` ([rows, D]). */
+static inline void weighted_rows(int64_t C, int64_t D, float *acc, float scale, const float *p,
+                                 const float *v, int64_t rows) {
+    if (C) {
+        vf a[C];
+        for (int64_t c = 0; c < C; c++) a[c] = load(acc + 16 * c) * scale;
+        for (int64_t i = 0; i < rows; i++, v += D)
+            for (int64_t c = 0; c < C; c++) a[c] += p[i] * load(v + 16 * c);
+        for (int64_t c = 0; c < C; c++) store(acc + 16 * c, a[c]);
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) acc[d] *= scale;
+    for (int64_t i = 0; i < rows; i++, v += D)
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+        for (int64_t d = 0; d < D; d++) acc[d] += p[i] * v[d];
 }
 
-/* One (sequence, KV head) work item; `head_dim` is a compile-time constant in the common cases
- * (see the dispatch below), so the dot products and row updates unroll into straight vector code. */
+/* Turns a block's scores into softmax numerators against the running maximum `*top`, updating
+ * it and the running sum `*total`; returns the factor that rescales what was accumulated before. */
+static inline float online_softmax(float *scores, int64_t rows, float *top, float *total) {
+    float block_top = scores[0];
+    for (int64_t i = 1; i < rows; i++) block_top = scores[i] > block_top ? scores[i] : block_top;
+    const float new_top = block_top > *top ? block_top : *top;
+    const float rescale = *top == -FLT_MAX ? 0.0f : exp1(*top - new_top);
+    vf vsum = {0};
+    float sum = 0.0f;
+    int64_t i = 0;
+    for (; i + 16 <= rows; i += 16) {
+        const vf e = exp_nonpositive(load(scores + i) - new_top);
+        store(scores + i, e);
+        vsum += e;
+    }
+    for (; i < rows; i++) sum += scores[i] = exp1(scores[i] - new_top);
+    *total = *total * rescale + sum + hsum(vsum);
+    *top = new_top;
+    return rescale;
+}
+
+/* KV heads [h0, h1) of sequence s. `work` is this thread's scratch: see paged_decode_f32. */
 static inline void attend(
-    const float *q, int64_t q_row_stride, const float *kv, const int64_t *block_tables,
-    const int64_t *seq_lens, float *out, float *scores, int64_t s, int64_t h, int64_t num_heads,
-    int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale)
+    int64_t C, const float *q, int64_t q_row_stride, const float *kv, const int64_t *block_tables,
+    const int64_t *seq_lens, float *out, float *work, int64_t s, int64_t h0, int64_t h1,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+    float scale)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t head_stride = block_size * head_dim;   /* floats per (block, K or V, head) slice */
-    const int64_t block_stride = 2 * num_kv_heads * head_stride;
-    const int64_t max_context = max_blocks * block_size;
+    const int64_t D = C ? 16 * C : head_dim, group = num_heads / num_kv_heads;
+    const int64_t heads = (h1 - h0) * group, first = h0 * group;  /* this item's query heads */
+    const int64_t slice = block_size * D;                      /* floats of one head's K (or V) */
+    const int64_t block_stride = 2 * num_kv_heads * slice;
     const int64_t len = seq_lens[s];
     const int64_t *table = block_tables + s * max_blocks;
-    const float *qh = q + s * q_row_stride + h * group * head_dim;  /* [group, head_dim] */
-    float *oh = out + (s * num_heads + h * group) * head_dim;      /* [group, head_dim] */
+    float *qs = work;                            /* [heads, D] scaled queries */
+    float *acc = qs + heads * D;                 /* [heads, D] running weighted sums of V */
+    float *top = acc + heads * D;                /* [heads] running maxima */
+    float *total = top + heads;                  /* [heads] running sums */
+    float *scores = total + heads;               /* [heads, block_size] this block's scores */
+    const float *qrow = q + s * q_row_stride + first * D;
+    for (int64_t j = 0; j < heads * D; j++) { qs[j] = qrow[j] * scale; acc[j] = 0.0f; }
+    for (int64_t j = 0; j < heads; j++) { top[j] = -FLT_MAX; total[j] = 0.0f; }
 
-    for (int64_t b = 0, t = 0; t < len; b++) {  /* pass 1: scores[g][t] = q_g . k_t * scale */
-        const float *k = kv + table[b] * block_stride + h * head_stride;  /* [block_size, D] */
-        const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride + h * head_stride;
-        for (int64_t i = 0; i < block_size && t < len; i++, t++, k += head_dim) {
-            prefetch_row(next + i * head_dim, head_dim);
-            for (int64_t g = 0; g < group; g++)
-                scores[g * max_context + t] = dot(head_dim, qh + g * head_dim, k) * scale;
-        }
+    for (int64_t b = 0, t = 0; t < len; b++, t += block_size) {
+        const int64_t rows = len - t < block_size ? len - t : block_size;
+        const float *k = kv + table[b] * block_stride, *v = k + num_kv_heads * slice;
+        /* The next block lies anywhere in the cache. Touching the start of each of its slices
+         * that this item reads (4 lines of each) gets the page walks and the hardware prefetcher
+         * going before the reads arrive; asking for whole slices row by row measured slower, the
+         * prefetches competing with the loads they were meant to serve. */
+        const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t line = 0; line < 4; line++) {
+                __builtin_prefetch(next + h * slice + 16 * line);
+                __builtin_prefetch(next + (num_kv_heads + h) * slice + 16 * line);
+            }
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t j = (h - h0) * group + g;
+                row_dots(C, D, qs + j * D, k + h * slice, rows, scores + j * block_size);
+            }
+        float rescale[heads];
+        for (int64_t j = 0; j < heads; j++)
+            rescale[j] = online_softmax(scores + j * block_size, rows, top + j, total + j);
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t j = (h - h0) * group + g;
+                weighted_rows(C, D, acc + j * D, rescale[j], scores + j * block_size, v + h * slice, rows);
+            }
     }
-    float total[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {  /* softmax numerators, in place */
-        float *sg = scores + g * max_context, top = sg[0], sum = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sg[t] = exp_nonpositive(sg[t] - top);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; t++) sum += sg[t];
-        total[g] = sum;
-    }
-    for (int64_t i = 0; i < group * head_dim; i++) oh[i] = 0.0f;
-    for (int64_t b = 0, t = 0; t < len; b++) {  /* pass 2: out_g = sum_t p[g][t] v_t */
-        const float *v = kv + table[b] * block_stride + (num_kv_heads + h) * head_stride;
-        const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride
-                            + (num_kv_heads + h) * head_stride;
-        for (int64_t i = 0; i < block_size && t < len; i++, t++, v += head_dim) {
-            prefetch_row(next + i * head_dim, head_dim);
-            for (int64_t g = 0; g < group; g++)
-                axpy(head_dim, scores[g * max_context + t], v, oh + g * head_dim);
-        }
-    }
-    for (int64_t g = 0; g < group; g++) {
-        const float inv = 1.0f / total[g];
-        float *og = oh + g * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) og[d] *= inv;
-    }
+    float *o = out + (s * num_heads + first) * D;
+    for (int64_t j = 0; j < heads; j++)
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] / total[j];
+}
+
+/* Floats of scratch each thread needs (the caller allocates num_threads times this). */
+int64_t paged_decode_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t block_size) {
+    return num_heads * (2 * head_dim + 2 + block_size);
 }
 
 void paged_decode_f32(
@@ -116,23 +183,27 @@ void paged_decode_f32(
     const int64_t *block_tables,  /* [num_seqs, max_blocks], row-major */
     const int64_t *seq_lens,      /* [num_seqs], tokens of context, >= 1 */
     float *out,                   /* [num_seqs, num_heads, head_dim], contiguous */
-    float *scratch,               /* [num_threads, group, max_blocks * block_size] */
+    float *scratch,               /* [num_threads, paged_decode_scratch_floats(...)] */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale, int num_threads)
 {
-    const int64_t scratch_per_thread = num_heads / num_kv_heads * max_blocks * block_size;
+    /* Whole sequences read each block front to back; with fewer than 4 per thread, split them by
+     * KV head so that every thread has work. */
+    const int64_t parts = num_seqs >= 4 * num_threads ? 1 : num_kv_heads;
+    const int64_t per_thread = paged_decode_scratch_floats(num_heads, head_dim, block_size);
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = scratch + omp_get_thread_num() * scratch_per_thread;  /* [group, context] */
+        float *work = scratch + omp_get_thread_num() * per_thread;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-            const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-#define ATTEND(D) attend(q, q_row_stride, kv, block_tables, seq_lens, out, scores, s, h, num_heads, \
-                         num_kv_heads, D, block_size, max_blocks, scale)
-            switch (head_dim) {
-                case 64: ATTEND(64); break;
-                case 128: ATTEND(128); break;
-                default: ATTEND(head_dim);
+        for (int64_t item = 0; item < num_seqs * parts; item++) {
+            const int64_t s = item / parts;
+            const int64_t h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? num_kv_heads : h0 + 1;
+#define ATTEND(C) attend(C, q, q_row_stride, kv, block_tables, seq_lens, out, work, s, h0, h1, num_heads, \
+                         num_kv_heads, head_dim, block_size, max_blocks, scale)
+            switch (head_dim) {  /* a constant C unrolls the vector loops */
+                case 64: ATTEND(4); break;
+                case 128: ATTEND(8); break;
+                default: ATTEND(head_dim % 16 ? 0 : head_dim / 16);
             }
 #undef ATTEND
         }

@@ -109,12 +109,12 @@ def test_connector_hooks_wrap_every_layer_in_order() -> None:
 
 
 def scattered_decode(
-    num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int], sharpness: float = 1.0
+    num_heads: int, num_kv_heads: int, head_dim: int, lens: list[int], sharpness: float = 1.0,
+    block_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step over a paged cache whose blocks are shuffled: returns the layer output and the
     reference computed from the cache contents (including this step's k/v, written by the layer)."""
     torch.manual_seed(1)
-    block_size = 16
     counts = [-(-n // block_size) for n in lens]
     perm = torch.randperm(sum(counts) + 3).tolist()  # blocks anywhere, a few unused
     tables = [perm[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(lens))]
@@ -156,6 +156,39 @@ def test_native_decode_handles_peaked_softmax() -> None:
         pytest.skip("no C compiler here: the native kernel is unavailable")
     out, expected = scattered_decode(9, 3, 64, [5, 70, 129], sharpness=40.0)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_seqs", [3, 40])
+def test_native_decode_any_block_size_and_batch(block_size: int, num_seqs: int) -> None:
+    # The kernel splits a small batch by KV head and takes whole sequences in a large one; a block
+    # is scored 16 rows at a time with a remainder (8: remainder only, 32: two full runs).
+    if paged_decode_kernel() is None:
+        pytest.skip("no C compiler here: the native kernel is unavailable")
+    lens = [1 + (37 * i) % 150 for i in range(num_seqs)]
+    out, expected = scattered_decode(9, 3, 64, lens, block_size=block_size)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_native_decode_rescales_when_a_later_block_holds_the_maximum() -> None:
+    # The softmax runs online, block by block: a larger score in a later block must shrink the
+    # weights accumulated so far. Keys grow along the context, so each block beats the last.
+    if paged_decode_kernel() is None:
+        pytest.skip("no C compiler here: the native kernel is unavailable")
+    kernel = paged_decode_kernel()
+    assert kernel is not None
+    block_size, head_dim, seq_len = 16, 64, 100
+    blocks = -(-seq_len // block_size)
+    cache = torch.zeros(blocks, 2, 1, block_size, head_dim)
+    keys = torch.linspace(0.0, 3.0, blocks * block_size)[:, None] * torch.ones(head_dim) / 8  # [L, D]
+    values = torch.randn(blocks * block_size, head_dim)
+    cache[:, 0, 0] = keys.view(blocks, block_size, head_dim)
+    cache[:, 1, 0] = values.view(blocks, block_size, head_dim)
+    q = torch.ones(1, head_dim)
+    out = torch.empty(1, head_dim)
+    kernel(q, cache, torch.arange(blocks)[None], torch.tensor([seq_len]), out, 1.0)
+    weights = torch.softmax(keys[:seq_len] @ q[0], dim=0)
+    torch.testing.assert_close(out[0], weights @ values[:seq_len], atol=2e-5, rtol=2e-5)
 
 
 def test_native_kernel_off_or_unbuildable_falls_back_to_torch(
