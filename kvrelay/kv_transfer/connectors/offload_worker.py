@@ -11,7 +11,8 @@ step, rather than keeping the request's blocks pinned (delay_free) until a tier 
 means a block is never read after the scheduler may reuse it, also when a request is preempted
 (preemption frees blocks without asking the connector). The staging buffers are a fixed pool
 (`max_pending_stores`): when all are in flight a chunk is dropped, never queued without bound.
-The writer thread runs at the lowest CPU priority: it uses what the model's threads leave.
+The writer thread runs on idle CPU time only (SCHED_IDLE), unless its backlog grows past half the
+pool: then it competes at the lowest priority until it has caught up.
 """
 
 from __future__ import annotations
@@ -237,8 +238,17 @@ class _Background:
         return payload.view(self.dtype).view(self.chunk_shape)
 
     def _store_loop(self) -> None:
-        _lower_this_thread_priority()
+        # The writer runs on idle CPU time only: a writer that competes with the model's threads
+        # preempts one, and the whole parallel region waits for it. With no idle time left it would
+        # starve, so past half the staging pool in backlog it competes (at nice 19) until the
+        # backlog is down to a quarter.
+        idle = True
+        _set_this_thread_priority(idle)
         while (item := self._stores.get()) is not None:
+            want_idle = _writer_idles(idle, self._stores.qsize(), self.max_staging)
+            if want_idle != idle:
+                idle = want_idle
+                _set_this_thread_priority(idle)
             save, staging, queued_at = item
             start = time.perf_counter()
             try:
@@ -279,15 +289,24 @@ class _Background:
         return settled
 
 
-def _lower_this_thread_priority() -> None:
-    """Give the calling thread the lowest CPU priority (Linux: nice 19 applies per thread).
+def _writer_idles(idle: bool, backlog: int, pool: int) -> bool:
+    """Whether the writer should run on idle CPU time only, given whether it does now and how many
+    chunks wait behind the one in hand (`backlog`) out of a staging pool of `pool`."""
+    return backlog < max(1, pool // 2) if idle else backlog <= pool // 4
 
-    The writer is never urgent, but on a machine whose cores all run the model's threads, a writer
-    at equal priority preempts one of them and the whole parallel region waits for it: measured
-    here (benchmarks/bench_offload.py), a decode beside a stream of prefills slowed by +30% with
-    stores on before this, by +7% to +21% after. Where per-thread priorities do not exist this
-    does nothing."""
+
+def _set_this_thread_priority(idle: bool) -> None:
+    """Lower the calling thread's CPU priority (Linux, per thread); `idle` picks how far.
+
+    idle=True: SCHED_IDLE, the thread runs only on CPU time no other thread wants; any thread that
+    becomes runnable preempts it at once. idle=False: nice 19, still the lowest share, but it
+    competes, so it cannot starve. Where these do not exist this does nothing."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        if idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (AttributeError, OSError):  # not Linux, or not allowed
         pass

@@ -28,7 +28,8 @@ def build_tiers(config: OffloadConfig, stats: OffloadStats) -> list[StorageTier]
         from kvrelay.kv_transfer.offload.redis import RedisTier
 
         tiers.append(RedisTier(config.remote_url, stats, ttl_seconds=config.remote_ttl_seconds,
-                               timeout_seconds=config.remote_timeout_seconds))
+                               timeout_seconds=config.remote_timeout_seconds,
+                               write_timeout_seconds=config.remote_write_timeout_seconds))
     return tiers
 
 

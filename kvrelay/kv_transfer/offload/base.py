@@ -13,6 +13,9 @@ from collections.abc import Sequence
 
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 
+# A stored chunk as a tier holds it: anything exposing its bytes through the buffer protocol.
+Blob = bytes | bytearray | memoryview
+
 
 class TierError(Exception):
     """The tier failed to answer (not a miss): the caller treats the call as a miss."""
@@ -37,11 +40,11 @@ class StorageTier(ABC):
         """Whether each key is stored. Side-effect free: recency is not updated."""
 
     @abstractmethod
-    def get(self, keys: Sequence[str]) -> list[bytes | bytearray | None]:
+    def get(self, keys: Sequence[str]) -> list[Blob | None]:
         """Each key's blob, or None where it is missing. A hit counts as a use (LRU)."""
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> None:
+    def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         """Store blobs, replacing any under the same key; may evict to stay within budget."""
 
     @abstractmethod

@@ -22,6 +22,8 @@ import struct
 
 import numpy as np
 
+from kvrelay.kv_transfer.offload.base import Blob
+
 MAGIC = b"KVRC"
 VERSION = 2  # 1 used crc32: such entries are now a miss and get rewritten
 _FIXED = struct.Struct("<4sHHH2xQQ")
@@ -71,7 +73,7 @@ def seal_chunk(blob: bytearray, key: str, fingerprint: str) -> None:
     blob[_FIXED.size:start] = (key_b + fp_b).ljust(start - _FIXED.size, b"\0")
 
 
-def decode_chunk(blob: bytes | bytearray, key: str, fingerprint: str, payload_bytes: int) -> memoryview:
+def decode_chunk(blob: Blob, key: str, fingerprint: str, payload_bytes: int) -> memoryview:
     """The payload of `blob` (a view, not a copy), after checking every header field."""
     view = memoryview(blob)
     if view.nbytes < _FIXED.size:

@@ -17,6 +17,7 @@ class OffloadConfig:
     remote_url: str | None = None  # redis://host:port/db; None: no remote tier
     remote_ttl_seconds: float = 24 * 3600  # TTL of each remote chunk; 0: none
     remote_timeout_seconds: float = 0.5  # socket connect / read timeout for the remote tier
+    remote_write_timeout_seconds: float = 5.0  # socket timeout of the background writer's SETs
     retry_seconds: float = 5.0  # a failed remote tier is skipped (a miss) this long
     sync_load_max_tokens: int = 512  # loads up to this size run inside the step; larger: async
     max_pending_stores: int = 16  # chunks copied out and not yet written; more are dropped
@@ -50,6 +51,9 @@ class OffloadConfig:
         if self.max_pending_stores < 1 or self.sync_load_max_tokens < 0:
             raise ValueError(f"max_pending_stores must be >= 1 and sync_load_max_tokens >= 0, got "
                              f"{self.max_pending_stores}, {self.sync_load_max_tokens}")
-        if self.remote_timeout_seconds <= 0 or self.retry_seconds < 0 or self.remote_ttl_seconds < 0:
-            raise ValueError("remote_timeout_seconds must be > 0, retry_seconds and remote_ttl_seconds "
-                             ">= 0")
+        if (self.remote_timeout_seconds <= 0 or self.remote_write_timeout_seconds <= 0
+                or self.retry_seconds < 0 or self.remote_ttl_seconds < 0):
+            raise ValueError(f"remote_timeout_seconds and remote_write_timeout_seconds must be > 0, "
+                             f"retry_seconds and remote_ttl_seconds >= 0, got {self.remote_timeout_seconds}, "
+                             f"{self.remote_write_timeout_seconds}, {self.retry_seconds}, "
+                             f"{self.remote_ttl_seconds}")

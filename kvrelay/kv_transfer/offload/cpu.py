@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvrelay.kv_transfer.offload.base import StorageTier
+from kvrelay.kv_transfer.offload.base import Blob, StorageTier
 from kvrelay.kv_transfer.offload.lru import LRUByteIndex
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 
@@ -17,7 +17,7 @@ class CpuTier(StorageTier):
     def __init__(self, capacity_bytes: int, stats: OffloadStats) -> None:
         super().__init__(stats)
         self._lru = LRUByteIndex(capacity_bytes)
-        self._blobs: dict[str, bytes | bytearray] = {}
+        self._blobs: dict[str, Blob] = {}
         self._lock = threading.Lock()
 
     @property
@@ -33,7 +33,7 @@ class CpuTier(StorageTier):
         with self._lock:
             return [key in self._blobs for key in keys]
 
-    def get(self, keys: Sequence[str]) -> list[bytes | bytearray | None]:
+    def get(self, keys: Sequence[str]) -> list[Blob | None]:
         with self._lock:
             found = [self._blobs.get(key) for key in keys]
             for key, blob in zip(keys, found, strict=True):
@@ -41,7 +41,7 @@ class CpuTier(StorageTier):
                     self._lru.touch(key)
         return found
 
-    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> None:
+    def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         evicted = 0
         with self._lock:
             for key, blob in items:

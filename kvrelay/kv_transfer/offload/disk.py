@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvrelay.kv_transfer.offload.base import StorageTier, TierError
+from kvrelay.kv_transfer.offload.base import Blob, StorageTier, TierError
 from kvrelay.kv_transfer.offload.lru import LRUByteIndex
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 
@@ -77,7 +77,7 @@ class DiskTier(StorageTier):
                 found.append(key in self._lru)
         return found
 
-    def get(self, keys: Sequence[str]) -> list[bytes | bytearray | None]:
+    def get(self, keys: Sequence[str]) -> list[Blob | None]:
         return [self._read(key) for key in keys]
 
     def _read(self, key: str) -> bytearray | None:
@@ -101,11 +101,11 @@ class DiskTier(StorageTier):
         self.stats.add("offload_disk_bytes_read", len(blob))
         return blob
 
-    def put(self, items: Sequence[tuple[str, bytes | bytearray]]) -> None:
+    def put(self, items: Sequence[tuple[str, Blob]]) -> None:
         for key, blob in items:
             self._write(key, blob)
 
-    def _write(self, key: str, blob: bytes | bytearray) -> None:
+    def _write(self, key: str, blob: Blob) -> None:
         tmp = self.directory / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "wb") as f:

@@ -174,15 +174,28 @@ def test_concurrent_requests_sharing_a_prefix_store_each_chunk_once_and_agree(tm
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread priorities are a POSIX/Linux feature")
+def test_the_writer_competes_for_cpu_only_while_its_backlog_is_large():
+    from kvrelay.kv_transfer.connectors.offload_worker import _writer_idles
+
+    pool = 16  # idle-only until 8 chunks wait, then competing until at most 4 do
+    assert [_writer_idles(True, backlog, pool) for backlog in (0, 7, 8, 15)] == [True, True, False, False]
+    assert [_writer_idles(False, backlog, pool) for backlog in (15, 5, 4, 0)] == [False, False, True, True]
+    assert _writer_idles(True, 1, 1) is False and _writer_idles(False, 0, 1) is True  # a pool of one
+
+
 def test_the_store_writer_thread_runs_at_the_lowest_cpu_priority():
-    # A writer at equal priority preempts the model's threads; it must only use what they leave.
+    # A writer that competes with the model's threads delays them; it must only use what they leave.
     llm = make_llm(offload_config(cpu_bytes="64MiB"))
     generate(llm, PROMPTS[:1])  # the writer has stored at least one chunk by now
     writer = next(t for t in llm.engine.runner.connector.worker.background._threads
                   if t.name == "kvrelay-offload-store")
     assert writer.native_id is not None
-    assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == 19
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # this thread untouched
+    if hasattr(os, "SCHED_IDLE"):  # Linux
+        assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER  # this thread untouched
+    else:
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == 19
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
     assert_no_leak(llm)
     llm.engine.shutdown()
     writer.join(10)

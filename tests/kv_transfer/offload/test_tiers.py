@@ -14,6 +14,7 @@ from kvrelay.kv_transfer.offload import (
     OffloadConfig,
     OffloadStats,
     TieredStore,
+    TierError,
     decode_chunk,
     encode_chunk,
 )
@@ -118,6 +119,19 @@ def test_store_promotes_a_lower_tier_hit_and_drops_a_corrupt_blob(tmp_path):
     assert counts["offload_disk_hits"] == 1 and counts["offload_cpu_misses"] == 2
 
 
+def test_store_keeps_a_private_copy_of_a_buffer_the_writer_reuses(tmp_path):
+    # The writer hands over its staging buffer and refills it with the next chunk right after.
+    stats = OffloadStats()
+    cpu, disk = CpuTier(10 * PAYLOAD, stats), DiskTier(tmp_path, 100 * PAYLOAD, stats)
+    store = TieredStore([cpu, disk], FP, PAYLOAD, stats)
+    staging = blob(key(1), fill=1)
+    assert store.put(key(1), staging, reused=True)
+    staging[:] = blob(key(2), fill=2)  # the next chunk lands in the same buffer
+    payload = store.get_many([key(1)])[0]
+    assert payload is not None and bytes(payload) == bytes([1]) * PAYLOAD
+    assert stats.take()["offload_cpu_hits"] == 1, "served by the cpu tier, from its own copy"
+
+
 def test_redis_tier_stores_raw_values_with_a_ttl(redis_url):
     from kvrelay.kv_transfer.offload.redis import KEY_PREFIX, RedisTier
 
@@ -145,6 +159,29 @@ def test_a_dead_redis_is_a_miss_and_is_skipped_until_retry_seconds_pass():
     assert stats.take()["offload_redis_errors"] == 1, "after one failure the tier is skipped"
 
 
+def test_redis_writes_wait_longer_than_lookups_before_calling_the_server_dead():
+    # The writer may be kept off the CPU for a while (it runs on idle time): a SET it could not
+    # finish within the short lookup timeout must not mark the tier down. A server that accepts
+    # connections and never reads or answers stands in for one that is slow.
+    import socket
+    import time
+
+    from kvrelay.kv_transfer.offload.redis import RedisTier
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+        tier = RedisTier(url, OffloadStats(), timeout_seconds=0.1, write_timeout_seconds=0.8)
+        with pytest.raises(TierError, match="EXISTS"):
+            tier.contains([key(1)])  # a lookup gives up after the short timeout
+        start = time.monotonic()
+        with pytest.raises(TierError, match="SET"):
+            tier.put([(key(1), bytearray(64 << 20))])  # more than the socket buffers take
+        assert time.monotonic() - start >= 0.7, "the write used the longer write timeout"
+        tier.close()
+
+
 class socket_closed_port:  # noqa: N801 - used as a context manager
     """A loopback port nothing listens on."""
 
@@ -167,3 +204,6 @@ def test_config_rejects_unknown_keys_no_tier_and_misaligned_chunks():
     with pytest.raises(ValueError, match="multiple of block_size"):
         OffloadConfig.from_extra_config({"cpu_bytes": "1MiB", "chunk_tokens": 20}, block_size=16)
     assert OffloadConfig.from_extra_config({"cpu_bytes": "1MiB"}, block_size=16).cpu_bytes == 2**20
+    with pytest.raises(ValueError, match="remote_write_timeout_seconds"):
+        OffloadConfig.from_extra_config({"cpu_bytes": "1MiB", "remote_write_timeout_seconds": 0},
+                                        block_size=16)
