@@ -8,6 +8,8 @@ get_finished -> clear metadata.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +70,8 @@ class ModelRunner:
         caches = {}
         for name, layer in self.model.attention_layers().items():
             # [num_blocks, 2 (K, V), H_kv, block_size, D]: a block's bytes are contiguous
-            cache = torch.zeros(num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim,
-                                dtype=dtype, device=self.device)
+            cache = _zeros_on_huge_pages(
+                (num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim), dtype, self.device)
             layer.kv_cache = cache
             caches[name] = cache
         return caches
@@ -181,3 +183,28 @@ class ModelRunner:
             state.token_ids.extend(cached.new_token_ids)
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_HUGE_PAGE = 2 * 1024 * 1024
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, whose host memory Linux may back with 2 MB pages (transparent huge pages in
+    "madvise" mode, the common default), asked for before the pages are first touched.
+
+    The decode kernel reads blocks scattered over the cache; with 4 KB pages nearly every 4 KB it
+    reads costs a TLB miss. Measured on the decode kernel at batch 64 x 264 tokens: ~7% faster.
+    Anywhere else (another OS, a GPU, THP off) this is plain torch.zeros."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and sys.platform == "linux":
+        start = tensor.data_ptr()
+        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # the whole 2 MB pages inside the tensor
+        last = (start + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+        if last > first:
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)
+            except (OSError, AttributeError):  # no libc symbol: stay on small pages
+                pass
+    return tensor.zero_()

@@ -1,0 +1,43 @@
+"""The model runner's KV cache allocation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvrelay.worker.model_runner import _zeros_on_huge_pages
+
+
+def _vm_flags_at(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (Linux /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_kv_cache_memory_is_zeroed_and_asks_for_huge_pages() -> None:
+    shape = (700, 2, 3, 16, 64)  # ~17 MB: several whole 2 MB pages inside
+    cache = _zeros_on_huge_pages(shape, torch.float32, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == torch.float32 and cache.is_contiguous()
+    assert not cache.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform != "linux" or not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages here")
+    middle = cache.data_ptr() + cache.numel() * cache.element_size() // 2
+    assert "hg" in _vm_flags_at(middle), "madvise(MADV_HUGEPAGE) was applied to the cache"
+
+
+def test_small_or_non_cpu_caches_are_plain_zeros() -> None:
+    cache = _zeros_on_huge_pages((3, 2, 1, 4, 8), torch.float16, torch.device("meta"))
+    assert cache.shape == (3, 2, 1, 4, 8) and cache.device.type == "meta"
+    tiny = _zeros_on_huge_pages((1, 2, 1, 4, 8), torch.float32, torch.device("cpu"))  # < one 2 MB page
+    assert not tiny.any()
