@@ -3,7 +3,7 @@
 Only one today: `paged_decode.c`, decode attention that reads K/V blocks in place. Plain torch has
 no paged attention, so the torch route gathers every sequence's blocks into a padded copy first.
 Whole decode steps with the kernel, against the same steps with the torch route, measured
-1.06-1.13x faster at batch 1, 16 and 64 (benchmarks/bench_kernels.py).
+1.19-1.24x faster at batch 1, 16 and 64 (benchmarks/bench_kernels.py).
 
 The shared library is built once per machine with the system C compiler (`$CC`, else `cc`) into
 `KVRELAY_CACHE_DIR/kernels/`, named by a hash of the source, the flags and the CPU, and written
