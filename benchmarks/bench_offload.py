@@ -20,6 +20,7 @@ In one run, with a real redis-server on a free loopback port (from PATH):
               (~40 chunks/s, more than ten times what this instance can compute).
 
     .venv/bin/python benchmarks/bench_offload.py [--lengths 2048 4096] [--decode-tokens 48]
+        [--plot docs/bench_offload.png]
 
 Timings on a shared machine vary with its load: the table prints what this run measured.
 """
@@ -36,6 +37,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -278,6 +280,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--parts", nargs="+", choices=["ttft", "store", "itl"],
                         default=["ttft", "store", "itl"])
+    parser.add_argument("--plot", type=Path, default=Path("docs/bench_offload.png"),
+                        help="where the TTFT / ITL plot goes (written when the ttft part ran)")
     args = parser.parse_args()
     torch.manual_seed(0)
     proc, redis_url = start_redis()
@@ -299,6 +303,47 @@ def main() -> None:
         proc.terminate()
         shutil.rmtree(workdir, ignore_errors=True)
     print_table(args.lengths, ttfts, stores, itl)
+    if ttfts:
+        plot(args.lengths, ttfts, itl, args.plot)
+
+
+def plot(lengths: list[int], ttfts: dict[tuple[str, int], float], itl: ItlResult | None, path: Path) -> None:
+    """Left: TTFT per prompt length, cold against warm from each tier (log scale). Right, when the
+    ITL part ran: the decode's median inter-token latency beside prefills, stores off and on."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot ({path}); pip install 'kvrelay[bench]'")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiers = ["cold", "cpu", "disk", "redis"]
+    fig, axes = plt.subplots(1, 2 if itl else 1, figsize=(11 if itl else 6, 4.2), squeeze=False)
+    ax = axes[0][0]
+    width = 0.8 / len(tiers)
+    for i, tier in enumerate(tiers):
+        xs = [j + (i - (len(tiers) - 1) / 2) * width for j in range(len(lengths))]
+        ax.bar(xs, [ttfts[(tier, n)] for n in lengths], width, label=tier)
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT, s (log)")
+    ax.set_title("time to first token: recompute vs load from a tier")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    if itl:
+        ax = axes[0][1]
+        ax.bar(["stores off", "stores on"], [itl.mixed_off * 1e3, itl.mixed_on * 1e3], color=["grey", "C1"])
+        ax.axhline(itl.mixed_off * 1.1e3, linestyle="--", color="red", label="target: +10%")
+        ax.set_ylabel("median ITL, ms")
+        ax.set_title(f"decode beside {2 * CHUNK_TOKENS}-token prefills (3 runs each)")
+        ax.legend(fontsize=8)
+    fig.suptitle("OffloadConnector, SmolLM2-135M fp32, 2 CPU cores, Redis on loopback")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}")
 
 
 def print_table(lengths: list[int], ttfts: dict[tuple[str, int], float],
