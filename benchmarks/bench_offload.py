@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import plotting  # benchmarks/plotting.py, beside this script
 import torch
 
 from kvrelay import LLM, SamplingParams
@@ -310,13 +311,9 @@ def main() -> None:
 def plot(lengths: list[int], ttfts: dict[tuple[str, int], float], itl: ItlResult | None, path: Path) -> None:
     """Left: TTFT per prompt length, cold against warm from each tier (log scale). Right, when the
     ITL part ran: the decode's median inter-token latency beside prefills, stores off and on."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no plot ({path}); pip install 'kvrelay[bench]'")
+    plt = plotting.pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     tiers = ["cold", "cpu", "disk", "redis"]
     fig, axes = plt.subplots(1, 2 if itl else 1, figsize=(11 if itl else 6, 4.2), squeeze=False)
@@ -338,12 +335,7 @@ def plot(lengths: list[int], ttfts: dict[tuple[str, int], float], itl: ItlResult
         ax.set_ylabel("median ITL, ms")
         ax.set_title(f"decode beside {2 * CHUNK_TOKENS}-token prefills (3 runs each)")
         ax.legend(fontsize=8)
-    fig.suptitle("OffloadConnector, SmolLM2-135M fp32, 2 CPU cores, Redis on loopback")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {path}")
+    plotting.save(plt, fig, "OffloadConnector, SmolLM2-135M fp32, 2 CPU cores, Redis on loopback", path)
 
 
 def print_table(lengths: list[int], ttfts: dict[tuple[str, int], float],

@@ -33,6 +33,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # plotting.py, also when loaded from a file path (tests)
+
+import plotting  # noqa: E402
 
 from kvrelay.disagg.stream_client import StreamResult, stream_completion  # noqa: E402
 
@@ -235,13 +238,9 @@ def bench_compare(args: argparse.Namespace,
 
 
 def plot(series: dict[str, list[RateSummary]], path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no plot ({path}); pip install 'kvrelay[bench]'")
+    plt = plotting.pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "itl_ms", "inter-token latency")):
@@ -255,12 +254,7 @@ def plot(series: dict[str, list[RateSummary]], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("kvrelay serving latency against request rate")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {path}")
+    plotting.save(plt, fig, "kvrelay serving latency against request rate", path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

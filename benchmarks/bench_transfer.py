@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import plotting  # benchmarks/plotting.py, beside this script
 import torch
 
 from kvrelay.kv_transfer.base import KVCacheSpec
@@ -419,13 +420,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def plot(rows: list[dict[str, float | int]], path: Path) -> None:
     """Throughput against prompt tokens, one line per column, one panel per block size."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no plot ({path}); pip install 'kvrelay[bench]'")
+    plt = plotting.pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     block_sizes = sorted({int(r["block_size"]) for r in rows})
     columns = [k for k in rows[0] if k not in ("block_size", "tokens", "MB") and k not in RATIOS]
@@ -441,12 +438,7 @@ def plot(rows: list[dict[str, float | int]], path: Path) -> None:
         ax.set_title(f"block size {block_size}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("KV transfer throughput, SmolLM2-135M layout (one process, loopback)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {path}")
+    plotting.save(plt, fig, "KV transfer throughput, SmolLM2-135M layout (one process, loopback)", path)
 
 
 if __name__ == "__main__":

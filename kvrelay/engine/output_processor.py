@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvrelay.model.tokenizer import Tokenizer
 from kvrelay.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, TokenLogprobs
@@ -149,6 +149,5 @@ class OutputProcessor:
 
 
 def _stops(state: _RequestState) -> list[str]:
-    """The request's stop strings (SamplingParams normalises `stop` to a list on construction)."""
-    stop = state.params.stop
-    return [stop] if isinstance(stop, str) else list(stop or ())
+    """The request's stop strings: SamplingParams made `stop` a list on construction."""
+    return cast(list[str], state.params.stop)
