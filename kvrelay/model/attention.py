@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.model.native import paged_decode_kernel
+from kvrelay.model.native import elementwise_kernels, paged_decode_kernel
 from kvrelay.worker.forward_context import get_forward_context
 
 
@@ -75,6 +75,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] int64: slot_mapping % block_size
     decode: DecodeBatch | None
     prefills: list[PrefillSeq]
+    slot_range: tuple[int, int]  # (min, max) of slot_mapping, (0, -1) if empty; checked before C writes
     # Scratch buffers shared by all layers of this step (filled lazily by the first layer).
     workspace: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
@@ -125,6 +126,7 @@ def build_attention_metadata(
         slot_offsets=slot_mapping % block_size,
         decode=decode,
         prefills=prefills,
+        slot_range=(min(slots), max(slots)) if slots else (0, -1),
     )
 
 
@@ -219,6 +221,17 @@ class Attention(nn.Module):
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         num_tokens = k.shape[0]
+        cache = self.kv_cache
+        kernels = elementwise_kernels() if (
+            cache.device.type == "cpu" and cache.dtype == torch.float32 and cache.is_contiguous()
+            and k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1) else None
+        if kernels is not None:
+            low, high = meta.slot_range
+            if low < 0 or high >= cache.shape[0] * meta.block_size:  # C writes wherever it is told
+                raise ValueError(f"{self.layer_name}: slots {low}..{high} fall outside the KV cache "
+                                 f"({cache.shape[0]} blocks of {meta.block_size})")
+            kernels.write_kv(k, v, cache, meta.slot_mapping)
+            return
         blocks, offsets = meta.slot_block_ids, meta.slot_offsets
         # Indexing [blocks, kv, :, offsets] selects [num_tokens, Hkv, D].
         self.kv_cache[blocks, 0, :, offsets] = k.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.model.native import elementwise_kernels, linear_kernel
+
 
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
@@ -21,22 +23,39 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
 
+    def add_and_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += h, in place (the residual stream moves on), and return the norm of the sum.
+        One pass of native code on the CPU in float32; torch's add_ and rms_norm elsewhere."""
+        kernels = elementwise_kernels() if _native_f32(residual, h) and residual.dim() == 2 else None
+        if kernels is None:
+            return self(residual.add_(h))
+        return kernels.add_rms_norm(h, residual, self.weight, self.eps)
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]; the same result as `F.linear`.
 
-    On the CPU in float32 and for few rows (decode batches), the weight's rows are cut in
-    `_ROW_PARTS` equal parts multiplied as one `bmm`, so each thread streams its own part. Measured
-    here (2 threads, MKL on an AMD EPYC), over the model's weight shapes: 2.6x faster than
-    `F.linear` at one row and 1.5x at four, where reading the weights is the whole cost (29 GB/s
-    against ~10); about even from 8 to 96 rows; slower from 128 rows on, where putting the output
-    back in row-major order costs more than it saves.
+    On the CPU in float32 it picks, by the number of rows T (2 threads, MKL, an AMD EPYC; all 121
+    weights of SmolLM2 in turn, so each is read from memory as in a decode step):
+    - 3..512 rows: the native kernel (`linear.c`), at 16-64 rows 1.2-1.9x faster than MKL through
+      `F.linear` (MKL runs at 50-100 GFLOP/s there, the kernel at 100-170); from 64 rows on about
+      even or a little ahead, and past 512 rows (prefill) MKL is left to it.
+    - 1-2 rows (single-stream decode), or when the kernel is unavailable or the shapes don't fit
+      it: the weight's rows cut in `_ROW_PARTS` equal parts multiplied as one `bmm`, so each thread
+      streams its own part: 2.6x faster than `F.linear` at one row, where reading the weight is
+      the whole cost; used up to `_ROW_SPLIT_MAX_TOKENS` rows.
+    - anything else: `F.linear`.
     """
     out_features, in_features = weight.shape
-    if (x.device.type != "cpu" or weight.dtype != torch.float32 or out_features % _ROW_PARTS
-            or x.dim() != 2 or x.shape[0] > _ROW_SPLIT_MAX_TOKENS):
+    if x.device.type != "cpu" or weight.dtype != torch.float32 or x.dim() != 2:
         return F.linear(x, weight, bias)
     num_tokens = x.shape[0]
+    if _NATIVE_MIN_TOKENS <= num_tokens <= _NATIVE_MAX_TOKENS:
+        kernel = linear_kernel()
+        if kernel is not None and kernel.fits(x, weight, bias):
+            return kernel(x, weight, bias)
+    if out_features % _ROW_PARTS or num_tokens > _ROW_SPLIT_MAX_TOKENS:
+        return F.linear(x, weight, bias)
     parts = weight.view(_ROW_PARTS, out_features // _ROW_PARTS, in_features)  # [P, out/P, in]
     out = torch.bmm(parts, x.t().expand(_ROW_PARTS, in_features, num_tokens))  # [P, out/P, T]
     # NOTE: contiguous(): a reshape alone would be a column-major view, which every later op (and
@@ -45,6 +64,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
+def _native_f32(*tensors: torch.Tensor) -> bool:
+    """Whether native CPU float32 code may take these (they may still need a layout check)."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+_NATIVE_MIN_TOKENS = 3
+_NATIVE_MAX_TOKENS = 512
 _ROW_PARTS = 2
 _ROW_SPLIT_MAX_TOKENS = 64
 
@@ -67,6 +93,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * I]
+        kernels = elementwise_kernels() if _native_f32(gate_up) and gate_up.dim() == 2 else None
+        if kernels is not None:
+            return self.down_proj(kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # 2 x [T, I]
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -120,6 +149,17 @@ class RotaryEmbedding(nn.Module):
         cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [T, D]
         sin = torch.cat((-sin, sin), dim=-1).to(dtype)  # [T, D]
         return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`apply_rotary` in place: one native call on the CPU in float32 (heads and D contiguous
+    within a token's row, any row stride), else torch, through a temporary."""
+    kernels = elementwise_kernels() if _native_f32(x, cos, sin) and x.stride(-1) == 1 \
+        and x.stride(-2) == x.shape[-1] else None
+    if kernels is None:
+        x.copy_(apply_rotary(x, cos, sin))
+    else:
+        kernels.rotary_(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvrelay.model.attention import Attention
-from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, linear
+from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary_, linear
 from kvrelay.model.spec import ModelSpec
 
 # Fused parameter -> the Hugging Face projections stacked (along dim 0) into it.
@@ -67,7 +67,7 @@ class SelfAttention(nn.Module):
             qk = torch.cat((q, k), dim=1)  # [T, H + Hkv, D]
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, h + hkv, d)  # [T, H + Hkv, D]
-        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D], q and k roped together
+        apply_rotary_(qk, cos, sin)  # [T, H + Hkv, D], q and k roped together, in place
         out = self.attn(qk[:, :h].flatten(1), qk[:, h:].flatten(1), v)  # [T, H*D]
         return self.o_proj(out)
 
@@ -80,9 +80,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.self_attn(self.input_layernorm(x), cos, sin).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output (the embeddings for layer 0, with residual None);
+        residual: the residual stream before it. Returns this layer's MLP output and the stream,
+        which the next layer adds together: each add is fused with the norm that follows it."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x = self.input_layernorm.add_and_norm(h, residual)
+        x = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -94,11 +102,14 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, D] each, shared by all layers
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D] each, shared by all layers
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            h, residual = layer(h, residual, cos, sin)
+        if residual is None:  # no layers
+            return self.norm(h)
+        return self.norm.add_and_norm(h, residual)
 
 
 class CausalLM(nn.Module):

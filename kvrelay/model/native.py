@@ -1,17 +1,21 @@
 """Native CPU kernels: small C files next to this module, compiled on first use and called via ctypes.
 
-Only one today: `paged_decode.c`, decode attention that reads K/V blocks in place. Plain torch has
-no paged attention, so the torch route gathers every sequence's blocks into a padded copy first.
-Whole decode steps with the kernel, against the same steps with the torch route, measured
-1.19-1.24x faster at batch 1, 16 and 64 (benchmarks/bench_kernels.py).
+- `paged_decode.c`: decode attention that reads K/V blocks in place. Plain torch has no paged
+  attention, so the torch route gathers every sequence's blocks into a padded copy first.
+- `linear.c`: x . W^T for a few rows (decode batches), where MKL runs far under the machine's
+  limits. See `kvrelay/model/layers.py` for when it is used.
+- `elementwise.c`: residual add + RMSNorm, SiLU-and-multiply, rotary embedding and the KV cache
+  write, each one call instead of several torch operators.
+`simd.h` holds the vector helpers they share.
+Whole decode steps with the kernels against the same steps without them: benchmarks/bench_kernels.py.
 
-The shared library is built once per machine with the system C compiler (`$CC`, else `cc`) into
+Each shared library is built once per machine with the system C compiler (`$CC`, else `cc`) into
 `KVRELAY_CACHE_DIR/kernels/`, named by a hash of the source, the flags and the CPU, and written
 atomically (several processes may build it at once). No compiler, a failed build or
-`KVRELAY_NATIVE_KERNELS=0`: `paged_decode_kernel()` returns None and attention uses torch.
+`KVRELAY_NATIVE_KERNELS=0`: the kernel getters return None and callers use torch.
 
-The library links OpenMP by soname (`libgomp.so.1`); torch has loaded its own copy under that name
-by then, so the kernel runs on torch's thread pool, not a second one.
+The libraries link OpenMP by soname (`libgomp.so.1`); torch has loaded its own copy under that
+name by then, so the kernels run on torch's thread pool, not a second one.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,7 +38,10 @@ from kvrelay import env
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
+_DECODE_SOURCE = Path(__file__).with_name("paged_decode.c")
+_LINEAR_SOURCE = Path(__file__).with_name("linear.c")
+_ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
+_HEADER = Path(__file__).with_name("simd.h")  # included by every source
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
@@ -51,7 +59,7 @@ def paged_decode_kernel() -> PagedDecode | None:
 @functools.cache
 def _load_paged_decode() -> PagedDecode | None:
     try:
-        library = ctypes.CDLL(str(_build()))
+        library = ctypes.CDLL(str(_build(_DECODE_SOURCE)))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("native paged decode kernel unavailable (%s); decode attention uses torch", exc)
         return None
@@ -109,19 +117,183 @@ def _check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
                          f"{kv_cache.shape[4]}")
 
 
-def _build() -> Path:
-    """Compile `paged_decode.c` into the cache (once per source, flags and CPU); return its path."""
+class NativeLinear:
+    """`linear.c` as a callable: `kernel(x, weight, bias)` -> x . weight^T (+ bias), a new tensor.
+
+    x [M, K] float32 (rows may be strided, elements contiguous), weight [N, K] contiguous float32,
+    bias [N] or None, all on the CPU, with K a multiple of 16 and N of 4; `fits` says whether
+    arguments are of that form, and a call with any others raises ValueError (C trusts every
+    pointer)."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    @staticmethod
+    def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        if x.dim() != 2 or weight.dim() != 2:
+            return False
+        out_features, in_features = weight.shape
+        return (x.dtype == torch.float32 and weight.dtype == torch.float32
+                and x.device.type == "cpu" and weight.device.type == "cpu"
+                and x.shape[1] == in_features and in_features % 16 == 0 and out_features % 4 == 0
+                and x.stride(1) == 1 and weight.is_contiguous()
+                and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                      and bias.is_contiguous() and tuple(bias.shape) == (out_features,))))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.fits(x, weight, bias):
+            raise ValueError(
+                f"native linear needs float32 CPU tensors, x [M, K] with contiguous rows, a contiguous "
+                f"weight [N, K] with K % 16 == 0 and N % 4 == 0, bias [N] or None; got x "
+                f"{tuple(x.shape)} {x.dtype} stride {x.stride()}, weight {tuple(weight.shape)} "
+                f"{weight.dtype}, bias {None if bias is None else tuple(bias.shape)}")
+        num_rows = x.shape[0]
+        out_features, in_features = weight.shape
+        out = torch.empty(num_rows, out_features, dtype=torch.float32)
+        self._fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                 out.data_ptr(), num_rows, out_features, in_features, torch.get_num_threads())
+        return out
+
+
+def linear_kernel() -> NativeLinear | None:
+    """The compiled `linear.c`, or None (see the module docstring)."""
+    return _load_linear() if env.native_kernels() else None
+
+
+@functools.cache
+def _load_linear() -> NativeLinear | None:
+    try:
+        library = ctypes.CDLL(str(_build(_LINEAR_SOURCE)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("native linear kernel unavailable (%s); linear layers use torch only", exc)
+        return None
+    fn = library.linear_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    # x, its row stride, weight, bias, y, M, N, K, threads
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    fn.restype = None
+    return NativeLinear(fn)
+
+
+class Elementwise:
+    """`elementwise.c` as methods. Each checks the layout the C code relies on (cheaply: these run
+    ~5 times per layer per step) and raises ValueError, naming the argument, for any other."""
+
+    def __init__(self, library: Any) -> None:
+        i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._add_rms_norm = library.add_rms_norm_f32
+        self._add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, c_int]
+        self._silu_mul = library.silu_mul_f32
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, c_int]
+        self._rotary = library.rotary_f32
+        self._rotary.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int]
+        self._write_kv = library.write_kv_f32
+        self._write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
+        for fn in (self._add_rms_norm, self._silu_mul, self._rotary, self._write_kv):
+            fn.restype = None
+
+    def add_rms_norm(self, h: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """residual += h (in place; skipped when h is None), then RMSNorm(residual) * weight into a
+        new tensor. residual and h [M, D], weight [D], all contiguous float32 on the CPU."""
+        _need_f32("residual", residual, contiguous=True)
+        _need_f32("weight", weight, contiguous=True)
+        rows, width = residual.shape if residual.dim() == 2 else (-1, -1)
+        if rows < 0 or tuple(weight.shape) != (width,):
+            raise ValueError(f"residual must be [M, D] and weight [D], got {tuple(residual.shape)} "
+                             f"and {tuple(weight.shape)}")
+        if h is not None:
+            _need_f32("h", h, contiguous=True)
+            if h.shape != residual.shape:
+                raise ValueError(f"h {tuple(h.shape)} and residual {tuple(residual.shape)} differ in shape")
+        out = torch.empty_like(residual)
+        self._add_rms_norm(None if h is None else h.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), rows, width, eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [M, 2I] contiguous float32 -> silu(gate) * up, [M, I]."""
+        _need_f32("gate_up", gate_up, contiguous=True)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be [M, 2I], got {tuple(gate_up.shape)}")
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotates x [T, heads, D] in place (rows any stride, heads and D contiguous within a row)
+        by cos and sin as `RotaryEmbedding.cos_sin` makes them ([T, 1, D] contiguous)."""
+        _need_f32("x", x, contiguous=False)
+        _need_f32("cos", cos, contiguous=True)
+        _need_f32("sin", sin, contiguous=True)
+        if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[2] % 2:
+            raise ValueError(f"x must be [T, heads, D] with heads and D contiguous and D even, got "
+                             f"shape {tuple(x.shape)} stride {x.stride()}")
+        tokens, heads, dim = x.shape
+        if cos.shape != (tokens, 1, dim) or sin.shape != (tokens, 1, dim):
+            raise ValueError(f"cos and sin must be [{tokens}, 1, {dim}], got {tuple(cos.shape)} "
+                             f"and {tuple(sin.shape)}")
+        self._rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
+                     torch.get_num_threads())
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """cache [num_blocks, 2, Hkv, bs, D] contiguous; k, v [T, Hkv*D] with contiguous rows;
+        slots [T] int64, each in [0, num_blocks * bs): the caller checks the values (once per
+        step), this only the layout."""
+        _need_f32("k", k, contiguous=False)
+        _need_f32("v", v, contiguous=False)
+        _need_f32("cache", cache, contiguous=True)
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise ValueError(f"cache must be [blocks, 2, Hkv, bs, D], got {tuple(cache.shape)}")
+        _, _, num_kv_heads, block_size, head_dim = cache.shape
+        tokens = k.shape[0] if k.dim() == 2 else -1
+        if (tokens < 0 or k.shape != (tokens, num_kv_heads * head_dim) or v.shape != k.shape
+                or k.stride(1) != 1 or v.stride(1) != 1):
+            raise ValueError(f"k and v must be [T, {num_kv_heads * head_dim}] with contiguous rows, got "
+                             f"{tuple(k.shape)} stride {k.stride()} and {tuple(v.shape)} stride {v.stride()}")
+        if slots.dtype != torch.int64 or slots.device.type != "cpu" or not slots.is_contiguous() \
+                or tuple(slots.shape) != (tokens,):
+            raise ValueError(f"slots must be a contiguous CPU int64 [{tokens}] tensor, got "
+                             f"{tuple(slots.shape)} {slots.dtype}")
+        self._write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), cache.data_ptr(),
+                       slots.data_ptr(), tokens, num_kv_heads, block_size, head_dim)
+
+
+def _need_f32(name: str, t: torch.Tensor, contiguous: bool) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or (contiguous and not t.is_contiguous()):
+        raise ValueError(f"{name} must be a {'contiguous ' if contiguous else ''}CPU float32 tensor, "
+                         f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def elementwise_kernels() -> Elementwise | None:
+    """The compiled `elementwise.c`, or None (see the module docstring)."""
+    return _load_elementwise() if env.native_kernels() else None
+
+
+@functools.cache
+def _load_elementwise() -> Elementwise | None:
+    try:
+        library = ctypes.CDLL(str(_build(_ELEMENTWISE_SOURCE)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("native elementwise kernels unavailable (%s); layers use torch operators", exc)
+        return None
+    return Elementwise(library)
+
+
+def _build(source_path: Path) -> Path:
+    """Compile a kernel's C file into the cache (once per source, flags and CPU); return its path."""
     compiler = os.environ.get("CC") or "cc"
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes() + _HEADER.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()]))
-    target = env.cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    target = env.cache_dir() / "kernels" / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        done = subprocess.run([compiler, *_FLAGS, str(source_path), "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-500:]}")

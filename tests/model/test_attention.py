@@ -237,3 +237,14 @@ def test_decode_refuses_a_block_id_outside_the_cache() -> None:
     with set_forward_context(ForwardContext(attn_metadata={"layer": meta})):
         with pytest.raises(ValueError, match="block id 9 is outside the KV cache"):
             attn._decode(torch.zeros(1, 4 * 64), meta.decode, meta)
+
+
+def test_kv_write_refuses_a_slot_outside_the_cache() -> None:
+    if native.elementwise_kernels() is None:
+        pytest.skip("no C compiler here: the native KV write is unavailable")
+    attn = Attention("layer", 4, 2, 64, scale=0.125)
+    attn.kv_cache = torch.zeros(4, 2, 2, 16, 64)
+    meta = build_attention_metadata([2], [20], [[1, 9]], 16, torch.device("cpu"))  # slots in block 9 of 4
+    with pytest.raises(ValueError, match="slots 146..147 fall outside the KV cache"):
+        attn._write_kv(torch.zeros(2, 128), torch.zeros(2, 128), meta)
+    assert not attn.kv_cache.any()  # nothing written

@@ -1,7 +1,10 @@
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrelay.model import layers, native
 from kvrelay.model.layers import Linear, linear
 
 
@@ -34,3 +37,52 @@ def test_linear_module_is_a_drop_in_nn_linear() -> None:
     x = torch.randn(7, 40)
     torch.testing.assert_close(module(x), F.linear(x, module.weight, module.bias), atol=1e-5, rtol=1e-5)
     assert set(module.state_dict()) == {"weight", "bias"}
+
+
+# ----------------------------------------------------------------------------- native kernels
+def native_or_skip() -> native.NativeLinear:
+    kernel = native.linear_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here: the native linear kernel is unavailable")
+    return kernel
+
+
+def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = native_or_skip()
+    calls: list[int] = []
+
+    class Spy:
+        fits = staticmethod(kernel.fits)
+
+        def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return kernel(x, weight, bias)
+
+    monkeypatch.setattr(layers, "linear_kernel", lambda: Spy())
+    torch.manual_seed(0)
+    weight = torch.randn(64, 32)
+    for rows in (1, 2, 3, 64, 512, 513):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert calls == [3, 64, 512]
+    linear(torch.randn(8, 40), torch.randn(64, 40))  # in_features 40 does not fit: torch
+    assert calls == [3, 64, 512]
+
+
+def test_native_linear_off_or_unbuildable_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0")
+    assert native.linear_kernel() is None
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "1")
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native._load_linear.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert native.linear_kernel() is None
+        assert "linear layers use torch only" in caplog.text
+        x, weight = torch.randn(16, 32), torch.randn(64, 32)  # and linear still works
+        torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    finally:
+        native._load_linear.cache_clear()

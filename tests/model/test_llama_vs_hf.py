@@ -138,3 +138,10 @@ def test_unfused_weights_are_used_in_place() -> None:
     assert o_proj.data_ptr() == weights["model.layers.0.self_attn.o_proj.weight"].data_ptr()
     assert model.model.embed_tokens.weight.data_ptr() == weights["model.embed_tokens.weight"].data_ptr()
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_torch_fallbacks_match_hf(models, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The same mixed batch with every native kernel off: the torch routes of linear, the norms,
+    SiLU, rotary, the KV write and decode attention."""
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0")
+    test_mixed_batch_matches_hf(models)
