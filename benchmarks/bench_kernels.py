@@ -6,9 +6,13 @@ For each batch size, one engine decodes that many requests (256-token prompts) a
 steps alternate between the fast path and its plain-torch baseline, step by step, so both sides
 see the same machine state (on a shared VM, separate runs drift by 10% and more):
 
-  attention  kvrelay/model/paged_decode.c (blocks read in place) against the torch route
-             (gather the blocks into a padded copy, then batched matmuls);
-  linear     kvrelay.model.layers.linear's row-split bmm against F.linear.
+  attention    kvrelay/model/paged_decode.c (blocks read in place) against the torch route
+               (gather the blocks into a padded copy, then batched matmuls);
+  linear       kvrelay.model.layers.linear (kvrelay/model/linear.c for 3-512 rows, a row-split
+               bmm for 1-2) against F.linear;
+  elementwise  kvrelay/model/elementwise.c (add + RMSNorm, SiLU-mul, rotary, KV write) against
+               the torch operators;
+  all          every native path at once (KVRELAY_NATIVE_KERNELS=1) against none (=0).
 
 Prints the median step time of each side and the ratio.
 """
@@ -30,18 +34,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offline import decoding_engine, stop_all  # noqa: E402
 
+import kvrelay.model.attention as attention  # noqa: E402
 import kvrelay.model.layers as layers  # noqa: E402
+import kvrelay.model.native as native  # noqa: E402
 
 
-def set_attention(native: bool) -> None:
-    os.environ["KVRELAY_NATIVE_KERNELS"] = "1" if native else "0"  # read on every call
+def set_attention(fast: bool) -> None:
+    attention.paged_decode_kernel = native.paged_decode_kernel if fast else (lambda: None)
 
 
-_ROW_SPLIT_MAX_TOKENS = layers._ROW_SPLIT_MAX_TOKENS  # kvrelay's own setting
+_ROW_SPLIT_MAX_TOKENS = layers._ROW_SPLIT_MAX_TOKENS  # kvrelay's own settings
+_NATIVE_MIN_TOKENS = layers._NATIVE_MIN_TOKENS
 
 
-def set_linear(row_split: bool) -> None:
-    layers._ROW_SPLIT_MAX_TOKENS = _ROW_SPLIT_MAX_TOKENS if row_split else 0
+def set_linear(fast: bool) -> None:
+    layers._ROW_SPLIT_MAX_TOKENS = _ROW_SPLIT_MAX_TOKENS if fast else 0
+    layers._NATIVE_MIN_TOKENS = _NATIVE_MIN_TOKENS if fast else sys.maxsize
+
+
+def set_elementwise(fast: bool) -> None:
+    getter = native.elementwise_kernels if fast else (lambda: None)
+    layers.elementwise_kernels = attention.elementwise_kernels = getter
+
+
+def set_all(fast: bool) -> None:
+    os.environ["KVRELAY_NATIVE_KERNELS"] = "1" if fast else "0"  # read on every call
 
 
 def alternate(batch: int, steps: int, toggle: Callable[[bool], None]) -> tuple[float, float]:
@@ -72,16 +89,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for name, toggle, baseline in (("attention", set_attention, "torch gather"),
-                                   ("linear", set_linear, "F.linear")):
+                                   ("linear", set_linear, "F.linear"),
+                                   ("elementwise", set_elementwise, "torch ops"),
+                                   ("all", set_all, "plain torch")):
         for batch in args.batches:
             off, on = alternate(batch, args.steps, toggle)
             rows.append((name, batch, baseline, off, on))
             print(f"  {name} batch {batch}: {baseline} {off * 1e3:.1f} ms, fast path {on * 1e3:.1f} ms",
                   flush=True)
     print(f"\ndecode step time, fast path against its baseline, alternating steps ({args.threads} threads)")
-    print(f"{'path':<10} {'batch':>5} {'baseline':>13} {'base ms':>8} {'fast ms':>8} {'speed-up':>8}")
+    print(f"{'path':<12} {'batch':>5} {'baseline':>13} {'base ms':>8} {'fast ms':>8} {'speed-up':>8}")
     for name, batch, baseline, off, on in rows:
-        print(f"{name:<10} {batch:>5} {baseline:>13} {off * 1e3:>8.1f} {on * 1e3:>8.1f} {off / on:>7.2f}x")
+        print(f"{name:<12} {batch:>5} {baseline:>13} {off * 1e3:>8.1f} {on * 1e3:>8.1f} {off / on:>7.2f}x")
 
 
 if __name__ == "__main__":
