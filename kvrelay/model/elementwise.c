@@ -49,18 +49,8 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int nu
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *o = out + m * I;
         int64_t i = 0;
-        for (; i + 16 <= I; i += 16) {
-            /* sigmoid(x) = 1 / (1 + e^-x) for x >= 0, e^x / (1 + e^x) below: e^-|x| never overflows */
-            const vf x = load(g + i);
-            const vi negative = x < 0.0f;
-            const vf e = exp_nonpositive((vf)((vi)x | ((vi){0} + INT32_MIN)));  /* e^-|x|: sign bit set */
-            const vf numerator = (vf)(((vi)e & negative) | ((vi)splat(1.0f) & ~negative));
-            store(o + i, x * numerator / (1.0f + e) * load(u + i));
-        }
-        for (; i < I; i++) {
-            const float x = g[i], e = exp1(x < 0.0f ? x : -x);
-            o[i] = x * (x < 0.0f ? e : 1.0f) / (1.0f + e) * u[i];
-        }
+        for (; i + 16 <= I; i += 16) store(o + i, silu(load(g + i)) * load(u + i));
+        for (; i < I; i++) o[i] = silu1(g[i]) * u[i];
     }
 }
 

@@ -1,4 +1,4 @@
-/* Vector helpers shared by the native kernels (kvrelay/model/*.c), which include this file; the
+/* Vector helpers shared by the native kernels (the .c files beside it), which include this file; the
  * build key in kvrelay/model/native.py covers it. */
 #ifndef KVRELAY_SIMD_H
 #define KVRELAY_SIMD_H
@@ -42,6 +42,16 @@ static inline vf exp_nonpositive(vf x) {
     return p * (vf)((ki + 127) << 23);  /* times 2^k */
 }
 static inline float exp1(float x) { return exp_nonpositive(splat(x))[0]; }
+/* x * sigmoid(x) on 16 lanes: sigmoid is 1 / (1 + e^-x) for x >= 0 and e^x / (1 + e^x) below, so
+ * the exponential is always of -|x| and never overflows. */
+static inline vf silu(vf x) {
+    const vi negative = x < 0.0f;
+    const vf e = exp_nonpositive((vf)((vi)x | ((vi){0} + INT32_MIN)));  /* e^-|x|: sign bit set */
+    const vf numerator = (vf)(((vi)e & negative) | ((vi)splat(1.0f) & ~negative));
+    return x * numerator / (1.0f + e);
+}
+static inline float silu1(float x) { return silu(splat(x))[0]; }
+
 static inline vf4 load4(const float *p) { vf4 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store4(float *p, vf4 v) { memcpy(p, &v, sizeof v); }
 
