@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,11 @@ class KVCacheManager:
     NOTE: a published block's hash describes exactly the tokens of that block position in
     `request.all_token_ids`, via the chain in `request.block_hashes`. Per request we remember how
     many leading blocks are already published, so publishing is incremental and idempotent.
+
+    Reservations: a request admitted to wait for KV from outside holds the blocks the KV lands
+    in, and must still be able to run once it arrives. `allocate_slots(..., reserve_tokens=N)`
+    sets free blocks aside so that request can later grow to N tokens; no other request's
+    allocation may take them. Invariant: num_free_blocks >= the blocks reserved in total.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -48,6 +54,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_published_blocks: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}  # request id -> free blocks set aside for it
+        self._num_reserved = 0
         self._stats = PrefixCacheStats()
 
     # ---- memory accounting --------------------------------------------------------------
@@ -68,8 +76,17 @@ class KVCacheManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self._stats
 
-    def can_fit(self, num_blocks_needed: int) -> bool:
-        return num_blocks_needed <= self.num_free_blocks
+    @property
+    def num_reserved_blocks(self) -> int:
+        return self._num_reserved
+
+    def num_available_blocks(self, request_id: str) -> int:
+        """Free blocks this request may take: all free blocks but those set aside for others."""
+        return self.num_free_blocks - self._num_reserved + self._reserved.get(request_id, 0)
+
+    def release_reservation(self, request_id: str) -> None:
+        """Give back what was set aside for the request (it runs now, or it finished)."""
+        self._num_reserved -= self._reserved.pop(request_id, 0)
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self._req_blocks.get(request_id, ()))
@@ -99,8 +116,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None, num_lookahead_tokens: int = 0,
-                       delay_cache_blocks: bool = False,
-                       num_external_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       delay_cache_blocks: bool = False, num_external_computed_tokens: int = 0,
+                       reserve_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Give the request blocks for its next tokens; None (and no change at all) when the
         pool cannot.
 
@@ -109,7 +126,9 @@ class KVCacheManager:
         num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens +
         num_new_tokens + num_lookahead_tokens tokens; those fresh blocks are returned.
         Unless `delay_cache_blocks` (KV still arriving from outside), the blocks that will be
-        full after this step are published right away.
+        full after this step are published right away. With `reserve_tokens`, enough further
+        free blocks are set aside for the request to hold that many tokens later (replacing
+        what was set aside for it before); the allocation fails if they are not there.
         """
         new_computed_blocks = new_computed_blocks or []
         self._check_allocation(request, new_computed_blocks, num_new_tokens, num_new_computed_tokens,
@@ -122,7 +141,9 @@ class KVCacheManager:
         num_fresh = max(0, cdiv(num_tokens_to_hold, self.block_size) - num_held)
         # A hit on a free cached block takes that block out of the free queue too.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_fresh + num_free_hits > self.num_free_blocks:
+        num_taken = num_fresh + num_free_hits
+        num_to_reserve = max(0, cdiv(reserve_tokens, self.block_size) - num_held - num_fresh)
+        if num_taken + num_to_reserve > self.num_available_blocks(request.request_id):
             return None
 
         is_admission = request.request_id not in self._req_blocks
@@ -136,6 +157,9 @@ class KVCacheManager:
         if new_computed_blocks:
             # Hit blocks are published by whoever computed them.
             self._num_published_blocks[request.request_id] = len(new_computed_blocks)
+        # What was set aside for this request paid for its part of this allocation.
+        left = max(0, self._reserved.get(request.request_id, 0) - num_taken)
+        self._set_reservation(request.request_id, left + num_to_reserve if reserve_tokens else left)
 
         if not delay_cache_blocks:
             self.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
@@ -164,30 +188,45 @@ class KVCacheManager:
         Idempotent."""
         blocks = self._req_blocks.pop(request.request_id, None)
         self._num_published_blocks.pop(request.request_id, None)
+        self.release_reservation(request.request_id)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks covering the first `num_tokens` tokens and free the rest
-        (after a failed KV load). Never publishes.
-
-        Any block from the first not-fully-valid one on that is published and held by this
-        request alone is unpublished: its KV is not trusted, so nobody may hit it.
-        """
+        (after a failed KV load), unpublishing every block past the valid ones (see
+        `unpublish_from`). Never publishes."""
         blocks = self._req_blocks.get(request.request_id)
         if blocks is None:
             return
-        num_valid_full = num_tokens // self.block_size
-        for block in blocks[num_valid_full:]:
-            if block.ref_cnt == 1 and block.block_hash is not None:
-                self.block_pool.uncache_block(block)
-        num_published = self._num_published_blocks.get(request.request_id, 0)
-        self._num_published_blocks[request.request_id] = min(num_published, num_valid_full)
-
+        self.unpublish_from(request, num_tokens)
         num_keep = cdiv(max(num_tokens, 0), self.block_size)
         dropped = blocks[num_keep:]
         del blocks[num_keep:]
         self.block_pool.free_blocks(reversed(dropped))
+
+    def unpublish_from(self, request: Request, num_valid_tokens: int) -> None:
+        """Take every block of the request from the first one not fully within its first
+        `num_valid_tokens` tokens out of the prefix cache: their KV is not trusted (it was
+        loaded invalid, or computed on top of such KV), so nobody may hit them.
+
+        NOTE: whatever the ref count. Another holder of such a block hit it as part of the same
+        prefix chain, so it holds the first bad block too and is rolled back with it."""
+        blocks = self._req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_valid_full = max(num_valid_tokens, 0) // self.block_size
+        for block in blocks[num_valid_full:]:
+            self.block_pool.uncache_block(block)
+        num_published = self._num_published_blocks.get(request.request_id, 0)
+        self._num_published_blocks[request.request_id] = min(num_published, num_valid_full)
+
+    def uncache_block_ids(self, block_ids: Iterable[int]) -> None:
+        """Take these blocks out of the prefix cache, whoever holds them (ids outside the pool
+        are ignored: no request can hold them)."""
+        for block_id in block_ids:
+            if 0 <= block_id < self.num_blocks:
+                self.block_pool.uncache_block(self.block_pool.blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing done) while any block is held."""
@@ -203,6 +242,12 @@ class KVCacheManager:
         if any(block.block_hash is None for block in new_computed_blocks):
             raise RuntimeError(f"request {request.request_id}: a prefix-hit block was evicted since "
                                "get_computed_blocks; look up the hit right before allocating")
+
+    def _set_reservation(self, request_id: str, num_blocks: int) -> None:
+        self.release_reservation(request_id)
+        if num_blocks > 0:
+            self._reserved[request_id] = num_blocks
+            self._num_reserved += num_blocks
 
     def _record_admission(self, request: Request, num_hit_tokens: int) -> None:
         if not self.enable_caching:

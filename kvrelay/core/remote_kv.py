@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvrelay.core.kv_cache_manager import KVCacheManager
 from kvrelay.outputs import KVConnectorOutput
@@ -16,6 +17,12 @@ class _Load:
     num_local: int  # tokens served by the local prefix cache before the load
     num_external: int  # tokens the connector is loading on top of them
     valid_cap: int | None = None  # set when some loaded blocks were reported invalid
+
+
+class LoadFailure(NamedTuple):
+    request: Request
+    num_valid_tokens: int  # leading tokens whose KV is still trusted
+    recovered: bool  # False: the `fail` policy applies and the request ends with an error
 
 
 class RemoteKVTracker:
@@ -83,13 +90,12 @@ class RemoteKVTracker:
         return None
 
     def apply_failures(self, kv_out: KVConnectorOutput, running: list[Request],
-                       waiting: Iterable[Request]) -> list[tuple[Request, bool]]:
+                       waiting: Iterable[Request]) -> list[LoadFailure]:
         """Find requests hit by failed receives or invalid blocks. Under `recompute` roll each
-        back to its valid leading blocks; return (request, recovered) pairs, recovered=False
-        meaning the `fail` policy applies and the caller finishes the request with an error."""
+        back to its valid leading blocks; the caller finishes the unrecovered ones."""
         if not kv_out.failed_recving and not kv_out.invalid_block_ids:
             return []
-        affected: list[tuple[Request, bool]] = []
+        affected: list[LoadFailure] = []
         for req in [*running, *waiting]:
             valid = self._valid_tokens(req, kv_out)
             if valid is None:
@@ -111,7 +117,7 @@ class RemoteKVTracker:
                 still_loaded = max(0, req.num_computed_tokens - external_start)
                 req.num_external_tokens -= req.num_external_unconfirmed - still_loaded
                 req.num_external_unconfirmed = still_loaded
-            affected.append((req, recover))
+            affected.append(LoadFailure(req, valid, recover))
         return affected
 
     def _valid_tokens(self, req: Request, kv_out: KVConnectorOutput) -> int | None:

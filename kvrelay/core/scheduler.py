@@ -129,6 +129,13 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
+    @property
+    def _max_chunk_tokens(self) -> int:
+        """The most prompt tokens one request computes in one step."""
+        if self.long_prefill_token_threshold > 0:
+            return min(self.max_num_batched_tokens, self.long_prefill_token_threshold)
+        return self.max_num_batched_tokens
+
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens
         if self.long_prefill_token_threshold > 0:
@@ -170,6 +177,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        out_of_blocks = False
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -178,9 +186,15 @@ class Scheduler:
                 if num_loaded is None:
                     continue  # still loading: keep the queue position, let others pass
                 self.stats.add_external(self.connector_name, num_loaded)
+            # NOTE: once a request is out of blocks, later ones must not overtake it, except a
+            # request admitted earlier whose load has settled: it runs on blocks it holds or
+            # had set aside, which the blocked request could not have had anyway.
+            if out_of_blocks and not self.kv_cache_manager.get_block_ids(req.request_id):
+                continue
             admitted = self._admit(req, out, budget)
             if admitted is None:
-                break  # out of blocks: later requests must not overtake it
+                out_of_blocks = True
+                continue
             budget -= admitted
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int | None:
@@ -199,14 +213,19 @@ class Scheduler:
                 if not load_async:  # a synchronous load must leave the last token to compute
                     num_external = max(0, min(num_external, req.num_tokens - 1 - num_local))
         num_computed = req.num_computed_tokens + num_local + num_external
-        num_new = 0
-        if not load_async:
+        num_new = reserve_tokens = 0
+        if load_async:
+            # The load may settle short of what was asked: set aside what the request's first
+            # step afterwards can need, so it can always run then (no two loads wedge the pool).
+            reserve_tokens = min(req.num_tokens, num_computed + self._max_chunk_tokens)
+        else:
             num_new = min(req.num_tokens - num_computed, budget)
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
         new_blocks = kv.allocate_slots(
             req, num_new, num_new_computed_tokens=num_local, new_computed_blocks=computed_blocks,
-            delay_cache_blocks=True, num_external_computed_tokens=num_external)
+            delay_cache_blocks=True, num_external_computed_tokens=num_external,
+            reserve_tokens=reserve_tokens)
         if new_blocks is None:
             return None
         # NOTE: only after a lookup: a request promoted after a failed load must not look to
@@ -219,6 +238,7 @@ class Scheduler:
         if load_async:
             self.remote.start_waiting(req, num_local, num_external)
             return 0
+        kv.release_reservation(req.request_id)
         self.waiting.remove(req)
         req.num_computed_tokens = num_computed
         req.num_external_tokens += num_external
@@ -342,16 +362,20 @@ class Scheduler:
                              outputs: list[EngineCoreOutput]) -> set[str]:
         """Apply the failure policy to requests whose loaded KV is missing or invalid. Returns
         the ids whose results from this step must be discarded."""
-        affected = self.remote.apply_failures(kv_out, self.running, self.waiting)
+        kv = self.kv_cache_manager
+        # NOTE: whatever the policy and whenever it is reported, a block found invalid (and
+        # anything computed on top of it) leaves the prefix cache before anyone can hit it.
+        kv.uncache_block_ids(kv_out.invalid_block_ids)
         discard: set[str] = set()
-        for req, ok in affected:
+        for req, num_valid, ok in self.remote.apply_failures(kv_out, self.running, self.waiting):
             self.stats.kv_load_failures += 1
+            kv.unpublish_from(req, num_valid)
             if ok:  # recompute: the tracker already rolled num_computed_tokens back
                 discard.add(req.request_id)
                 if req.status == RequestStatus.RUNNING:
                     # Drop (and unpublish) the blocks past the valid prefix; the runner gets the
                     # request afresh next step with its new block list.
-                    self.kv_cache_manager.truncate(req, req.num_computed_tokens)
+                    kv.truncate(req, req.num_computed_tokens)
                     self._runner_known.pop(req.request_id, None)
                 continue
             req.status = RequestStatus.FINISHED_ERROR

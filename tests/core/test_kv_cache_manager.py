@@ -289,6 +289,66 @@ def test_truncate_drops_hashes_published_for_blocks_that_failed():
     assert manager.blocks_in_use == 0
 
 
+def test_unpublish_from_drops_shared_blocks_too():
+    manager = make_manager()
+    loader = make_request("a", range(13))
+    must_allocate(manager, loader, 0, num_external_computed_tokens=12)  # published eagerly
+    hitter = make_request("b", range(13))
+    assert admit(manager, hitter) is not None  # hit all three blocks: each is held twice
+    manager.unpublish_from(loader, 4)  # block 1 turned out invalid
+    assert len(manager.block_pool.cached_blocks) == 1
+    assert manager.get_computed_blocks(make_request("c", range(13)))[1] == 4
+    manager.uncache_block_ids({0, 999})  # ids outside the pool are ignored
+    assert not manager.block_pool.cached_blocks
+    manager.free(loader)
+    manager.free(hitter)
+    assert manager.blocks_in_use == 0
+
+
+# ---- reservations --------------------------------------------------------------------------
+
+
+def test_reserved_blocks_are_kept_from_other_requests():
+    manager = make_manager(num_blocks=8)
+    loader = make_request("a", range(20))  # 5 blocks in all
+    # Loads 8 tokens (2 blocks) and sets aside what its whole prompt needs: 3 more blocks.
+    must_allocate(manager, loader, 0, delay_cache_blocks=True, num_external_computed_tokens=8,
+                  reserve_tokens=20)
+    assert manager.num_free_blocks == 6 and manager.num_reserved_blocks == 3
+    assert manager.num_available_blocks("other") == 3 and manager.num_available_blocks("a") == 6
+    greedy = make_request("g", range(100, 116))  # 4 blocks: only 3 are not set aside
+    manager.get_computed_blocks(greedy)  # fill block_hashes so the snapshot compares like with like
+    before = pool_snapshot(manager, greedy)
+    assert admit(manager, greedy) is None
+    assert pool_snapshot(manager, greedy) == before
+    small = make_request("s", range(200, 212))
+    assert admit(manager, small) is not None  # 3 blocks fit beside the reservation
+    assert manager.num_free_blocks == manager.num_reserved_blocks == 3
+    # The loader's first step afterwards takes its reserved blocks; then nothing is set aside.
+    loader.num_computed_tokens = 8
+    assert len(must_allocate(manager, loader, 12)) == 3
+    assert manager.num_reserved_blocks == 0
+    for request in (loader, small):
+        manager.free(request)
+    assert manager.blocks_in_use == 0
+
+
+def test_reservation_refused_when_it_does_not_fit_and_released_on_free():
+    manager = make_manager(num_blocks=6)
+    loader = make_request("a", range(24))  # 6 blocks in all
+    other = make_request("o", range(100, 104))
+    assert admit(manager, other) is not None
+    # Its 2 loaded blocks fit, but with 4 more set aside it needs 6 of the 5 free: refused.
+    before = pool_snapshot(manager, loader)
+    assert manager.allocate_slots(loader, 0, num_external_computed_tokens=8, reserve_tokens=24) is None
+    assert pool_snapshot(manager, loader) == before and manager.num_reserved_blocks == 0
+    manager.free(other)
+    must_allocate(manager, loader, 0, num_external_computed_tokens=8, reserve_tokens=24)
+    assert manager.num_reserved_blocks == 4
+    manager.free(loader)  # finished (aborted) before it ran: nothing stays set aside
+    assert manager.num_reserved_blocks == 0 and manager.blocks_in_use == 0
+
+
 # ---- eviction, duplicates, reset, stats ----------------------------------------------------
 
 

@@ -232,3 +232,95 @@ def test_prompt_token_stats_add_up_by_source():
     assert stats.prompt_tokens_computed + stats.prompt_tokens_cached + stats.prompt_tokens_external == total
     for req in requests:
         assert req.output_token_ids == expected_tokens(req.prompt_token_ids, 4)
+
+
+# ------------------------------------------------------------------ invalid KV leaves the prefix cache
+
+
+def published_block_ids(sched) -> set[int]:
+    return {block.block_id for block in sched.kv_cache_manager.block_pool.cached_blocks.values()}
+
+
+def report_invalid(policy: str, load_async: bool, when: str):
+    """Request "a" (12-token prompt, three blocks) loads all of its prompt and its second block
+    is reported invalid `when`: "in_step" (with the sync load's own step, or with the async
+    load's settling), "while_loading" (async, before it settles) or "late" (after its blocks
+    were computed and published). Returns right after the step that reported it."""
+    sched, conn, runner = setup(policy=policy)
+    a = make_request(prompt(12, 100), request_id="a", max_tokens=3)
+    conn.set_external_tokens(12, load_async=load_async, request_id="a")
+    sched.add_request(a)
+    so = sched.schedule()
+    blocks = sched.kv_cache_manager.get_block_ids("a")
+    bad = {blocks[1]}
+    if not load_async:
+        execute(sched, runner, so, **({"invalid_block_ids": bad} if when == "in_step" else {}))
+    elif when == "while_loading":
+        execute(sched, runner, so, invalid_block_ids=bad)
+        assert not published_block_ids(sched) & set(blocks[1:])
+        step(sched, runner, finished_recving={"a"})
+    else:
+        execute(sched, runner, so)
+        events = {"invalid_block_ids": bad} if when == "in_step" else {}
+        step(sched, runner, finished_recving={"a"}, **events)
+    if when == "late":
+        if load_async:
+            step(sched, runner)  # promoted: computes its last prompt token
+        assert published_block_ids(sched) >= set(blocks)  # everything was published meanwhile
+        step(sched, runner, invalid_block_ids=bad)
+    return sched, runner, a, blocks
+
+
+REPORT_TIMES = [(False, "in_step"), (False, "late"), (True, "in_step"), (True, "while_loading"),
+                (True, "late")]
+
+
+@pytest.mark.parametrize(("load_async", "when"), REPORT_TIMES)
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_block_found_invalid_never_stays_in_the_prefix_cache(policy, load_async, when):
+    sched, runner, a, blocks = report_invalid(policy, load_async, when)
+    p = a.prompt_token_ids
+    # Neither the bad block nor any block after it can be hit, by any later request.
+    assert not published_block_ids(sched) & set(blocks[1:])
+    assert num_hit_tokens(sched, p + [999]) <= BLOCK_SIZE
+    if policy == "fail":
+        assert a.status == RequestStatus.FINISHED_ERROR
+    finish(sched, runner)
+    if policy == "recompute":
+        assert a.output_token_ids == expected_tokens(p, 3)
+    # A later request with the same prompt hits only KV that is valid: the first block, or
+    # what "a" recomputed in place.
+    b = make_request(p, request_id="b", max_tokens=1)
+    sched.add_request(b)
+    finish(sched, runner)
+    if policy == "fail":
+        assert b.num_cached_tokens <= BLOCK_SIZE
+    else:
+        assert b.num_cached_tokens == 8
+    assert b.output_token_ids == expected_tokens(p, 1)
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_late_invalid_report_also_rolls_back_a_request_that_hit_the_block(policy):
+    sched, conn, runner = setup(policy=policy)
+    p = prompt(12, 100)
+    a = make_request(p, request_id="a", max_tokens=6)
+    conn.set_external_tokens(12, load_async=True, request_id="a")
+    sched.add_request(a)
+    step(sched, runner)
+    blocks = sched.kv_cache_manager.get_block_ids("a")
+    step(sched, runner, finished_recving={"a"})
+    step(sched, runner)  # "a" computes its last prompt token; its blocks are published
+    hitter = make_request(p + prompt(3, 700), request_id="hitter", max_tokens=2)
+    sched.add_request(hitter)
+    step(sched, runner)
+    assert sched.kv_cache_manager.get_block_ids("hitter")[:3] == blocks  # it hit all three
+    step(sched, runner, invalid_block_ids={blocks[1]})
+    assert not published_block_ids(sched) & set(blocks[1:])
+    for req in (a, hitter):
+        if policy == "fail":
+            assert req.status == RequestStatus.FINISHED_ERROR
+        else:
+            assert req.num_computed_tokens <= BLOCK_SIZE and req.status == RequestStatus.RUNNING
+    finish(sched, runner)
+    if policy == "recompute":
+        assert a.output_token_ids == expected_tokens(p, 6)
+        assert hitter.output_token_ids == expected_tokens(hitter.prompt_token_ids, 2)
