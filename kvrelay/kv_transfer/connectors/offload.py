@@ -1,11 +1,14 @@
 """OffloadConnector: KV that outlives its request, in host memory, on disk and in Redis.
 
 Each prompt is cut into chunks of `chunk_tokens` tokens (a whole number of blocks), keyed by a
-chained hash of the token prefix rooted in the model fingerprint. A new request loads the
-longest run of stored chunks beyond its local prefix hit instead of computing it (inside the
-step when small, in the background when large); every full prompt chunk it computes is stored,
-without blocking the step. The same instance, a restarted one (disk) or another one (Redis)
-finds it later.
+chained hash of the token prefix rooted in the model fingerprint. What is left past the last
+full chunk, the tail, is one more entry, keyed by the chain and the tail's tokens: it serves
+only a prompt with exactly that prefix (a longer prompt sharing it uses the full chunks). A new
+request loads the longest run of stored entries beyond its local prefix hit instead of
+computing it (inside the step when small, in the background when large), so a repeated prompt
+of any length computes only its last token; every full prompt chunk it computes is stored, and
+its tail once the prompt is computed, without blocking the step. The same instance, a restarted
+one (disk) or another one (Redis) finds them later.
 
     kv_transfer_config = {"kv_connector": "OffloadConnector", "kv_role": "kv_both",
                           "kv_connector_extra_config": {
@@ -27,8 +30,9 @@ Extra config keys (any subset of the three tiers, at least one):
                           stores are dropped (stat offload_stores_dropped).
 
 Lookups go top-down (cpu, disk, redis); a hit in a lower tier is promoted into the tiers above;
-stores go through to every tier. A chunk whose header (key, fingerprint, length, checksum) does
-not match is a miss: the request recomputes it and the chunk is stored again. A failing tier is
+stores go through to every tier. A chunk or tail whose header (key, fingerprint, tail token
+count, length, checksum) does not match is a miss: the request recomputes from the last good
+chunk and what it recomputes is stored again. A failing tier is
 logged once a minute and serves as a miss; the instance keeps serving.
 
 The worker side owns the store; the scheduler side asks it what is stored through a Unix socket

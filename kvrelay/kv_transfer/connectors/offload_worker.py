@@ -28,11 +28,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.kv_transfer.connectors.offload_meta import ChunkSave, LoadJob, OffloadConnectorMetadata
+from kvrelay.kv_transfer.connectors.offload_meta import (
+    ChunkLoad,
+    ChunkSave,
+    LoadJob,
+    OffloadConnectorMetadata,
+)
 from kvrelay.kv_transfer.offload.codec import header_size, seal_chunk
 from kvrelay.kv_transfer.offload.config import OffloadConfig
 from kvrelay.kv_transfer.offload.stats import OffloadStats
-from kvrelay.kv_transfer.offload.store import TieredStore
+from kvrelay.kv_transfer.offload.store import Expected, TieredStore
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.base import KVCacheSpec
@@ -119,12 +124,12 @@ class _Background:
         self.blocks_per_chunk = config.chunk_tokens // kv_spec.block_size
         self.dtype = _TORCH_DTYPES[kv_spec.dtype]
         self.fingerprint = kv_spec.fingerprint_digest()
-        # One chunk: [num_layers, blocks_per_chunk, 2, H_kv, block_size, D]
-        self.chunk_shape = (len(caches), self.blocks_per_chunk, *kv_spec.block_shape)
+        self.block_shape = tuple(kv_spec.block_shape)  # [2, H_kv, block_size, D]
         self.max_staging = config.max_pending_stores
         # NOTE: chunk keys are 40 hex digits, so every blob's header has the same size.
         self.header_bytes = header_size("0" * 40, self.fingerprint)
         self.payload_bytes = store.payload_bytes
+        self.block_payload_bytes = self.payload_bytes // self.blocks_per_chunk  # one block, every layer
         self._free_staging: list[bytearray] = []
         self._num_staging = 0
         self._lock = threading.Condition()
@@ -132,7 +137,7 @@ class _Background:
         self._unreported_stores = 0  # written, their stats not yet handed out by get_finished
         self._settled = _Settled()
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
-        self._stores: queue.Queue[tuple[ChunkSave, bytearray, float] | None] = queue.Queue()
+        self._stores: queue.Queue[tuple[ChunkSave, memoryview, bytearray, float] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._load_loop, name="kvrelay-offload-load", daemon=True),
                          threading.Thread(target=self._store_loop, name="kvrelay-offload-store", daemon=True)]
         for thread in self._threads:
@@ -158,20 +163,26 @@ class _Background:
                 self._settled.invalid_block_ids |= invalid
                 self._lock.notify_all()
 
+    def entry_blocks(self, tail_tokens: int) -> int:
+        """Blocks an entry holds: a full chunk's, or those its tail's tokens span."""
+        return -(-tail_tokens // self.block_size) if tail_tokens else self.blocks_per_chunk
+
     def load(self, job: LoadJob, report: bool = True) -> set[int]:
-        """Copy a job's chunks into its blocks, in order, until one is missing or corrupt;
+        """Copy a job's entries into their blocks, in order, until one is missing or corrupt;
         returns the blocks left without valid KV (also recorded for get_finished if `report`)."""
         start = time.perf_counter()
         num_loaded = 0
         failed_at = len(job.chunks)
         for first in range(0, len(job.chunks), _CHUNKS_PER_READ):
             group = job.chunks[first:first + _CHUNKS_PER_READ]
-            payloads = self.store.get_many([chunk.key for chunk in group])
+            expected = [Expected(self.entry_blocks(c.tail_tokens) * self.block_payload_bytes, c.tail_tokens)
+                        for c in group]
+            payloads = self.store.get_many([chunk.key for chunk in group], expected)
             for i, (chunk, payload) in enumerate(zip(group, payloads, strict=True)):
                 if payload is None:
                     failed_at = first + i
                     break
-                self._copy_in(chunk.first_block, chunk.block_ids, payload)
+                self._copy_in(chunk, payload)
                 num_loaded += len(chunk.block_ids)
             if failed_at < len(job.chunks):
                 break
@@ -182,27 +193,30 @@ class _Background:
                 self._settled.invalid_block_ids |= invalid
         return invalid
 
-    def _copy_in(self, first_block: int, block_ids: list[int], payload: memoryview) -> None:
+    def _copy_in(self, load: ChunkLoad, payload: memoryview) -> None:
+        shape = (len(self.caches), self.entry_blocks(load.tail_tokens), *self.block_shape)
         with warnings.catch_warnings():  # the blob may be read-only bytes: it is only read
             warnings.simplefilter("ignore", UserWarning)
-            chunk = torch.frombuffer(payload, dtype=self.dtype).view(self.chunk_shape)
-        rows = chunk[:, first_block:first_block + len(block_ids)]  # [L, n, 2, H_kv, block_size, D]
-        index = torch.tensor(block_ids, dtype=torch.long)
+            entry = torch.frombuffer(payload, dtype=self.dtype).view(shape)  # [L, blocks, 2, H_kv, bs, D]
+        rows = entry[:, load.first_block:load.first_block + len(load.block_ids)]  # [L, n, 2, H_kv, bs, D]
+        index = torch.tensor(load.block_ids, dtype=torch.long)
         for layer, cache in enumerate(self.caches):
             cache.index_copy_(0, index.to(cache.device), rows[layer].to(cache.device))
 
     def _count_load(self, job: LoadJob, num_blocks: int, num_failed: int, seconds: float) -> None:
         layer_block_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
+        num_tails = sum(1 for chunk in job.chunks[:len(job.chunks) - num_failed] if chunk.tail_tokens)
         self.stats.add_many({
             "offload_loads": 1, "offload_load_seconds": seconds, "seconds_loading": seconds,
-            "offload_chunks_loaded": len(job.chunks) - num_failed,
+            "offload_chunks_loaded": len(job.chunks) - num_failed, "offload_tails_loaded": num_tails,
             "offload_chunks_load_failed": num_failed, "load_failures": int(num_failed > 0),
             "bytes_loaded": num_blocks * layer_block_bytes * len(self.caches),
             "tokens_loaded": num_blocks * self.block_size})
 
     # ------------------------------------------------------------------ stores
     def copy_out(self, saves: list[ChunkSave]) -> None:
-        """Gather each chunk's blocks into a staging buffer and queue it for the writer."""
+        """Gather each entry's blocks into a staging buffer and queue it for the writer (a tail
+        fills the front of a buffer: it spans fewer blocks than a chunk)."""
         start = time.perf_counter()
         dropped = 0
         for save in saves:
@@ -210,13 +224,14 @@ class _Background:
             if staging is None:
                 dropped += 1
                 continue
-            chunk = self._payload_view(staging)  # [L, blocks_per_chunk, 2, H_kv, block_size, D]
+            blob = memoryview(staging)[:self.header_bytes + len(save.block_ids) * self.block_payload_bytes]
+            entry = self._payload_view(blob, len(save.block_ids))  # [L, n, 2, H_kv, block_size, D]
             index = torch.tensor(save.block_ids, dtype=torch.long)
             for layer, cache in enumerate(self.caches):
-                torch.index_select(cache, 0, index.to(cache.device), out=chunk[layer])
+                torch.index_select(cache, 0, index.to(cache.device), out=entry[layer])
             with self._lock:
                 self._pending_stores += 1
-            self._stores.put((save, staging, time.perf_counter()))
+            self._stores.put((save, blob, staging, time.perf_counter()))
         self.stats.add_many({"offload_copy_out_seconds": time.perf_counter() - start,
                              "offload_stores_dropped": dropped})
         if dropped:
@@ -233,9 +248,9 @@ class _Background:
             self._num_staging += 1
         return bytearray(self.header_bytes + self.payload_bytes)
 
-    def _payload_view(self, blob: bytearray) -> torch.Tensor:
+    def _payload_view(self, blob: memoryview, num_blocks: int) -> torch.Tensor:
         payload = torch.frombuffer(blob, dtype=torch.uint8, offset=self.header_bytes)
-        return payload.view(self.dtype).view(self.chunk_shape)
+        return payload.view(self.dtype).view(len(self.caches), num_blocks, *self.block_shape)
 
     def _store_loop(self) -> None:
         # The writer runs on idle CPU time only: a writer that competes with the model's threads
@@ -249,19 +264,20 @@ class _Background:
             if want_idle != idle:
                 idle = want_idle
                 _set_this_thread_priority(idle)
-            save, staging, queued_at = item
+            save, blob, staging, queued_at = item
             start = time.perf_counter()
             try:
-                seal_chunk(staging, save.key, self.fingerprint)
-                stored = self.store.put(save.key, staging, reused=True)
+                seal_chunk(blob, save.key, self.fingerprint, save.tail_tokens)
+                stored = self.store.put(save.key, blob, reused=True)
             finally:
                 with self._lock:
                     self._free_staging.append(staging)
             done = time.perf_counter()
             self.stats.add_many({
-                "offload_chunks_stored": int(stored), "offload_stores_failed": int(not stored),
-                "save_failures": int(not stored),
-                "bytes_saved": self.payload_bytes if stored else 0,
+                "offload_chunks_stored": int(stored),
+                "offload_tails_stored": int(stored and save.tail_tokens > 0),
+                "offload_stores_failed": int(not stored), "save_failures": int(not stored),
+                "bytes_saved": len(save.block_ids) * self.block_payload_bytes if stored else 0,
                 "seconds_saving": done - start, "offload_store_seconds": done - queued_at})
             with self._lock:
                 self._pending_stores -= 1

@@ -14,7 +14,7 @@ from kvrelay.kv_transfer.offload.config import OffloadConfig
 from kvrelay.kv_transfer.offload.cpu import CpuTier
 from kvrelay.kv_transfer.offload.disk import DiskTier
 from kvrelay.kv_transfer.offload.stats import OffloadStats
-from kvrelay.kv_transfer.offload.store import TieredStore
+from kvrelay.kv_transfer.offload.store import Expected, TieredStore
 
 
 def build_tiers(config: OffloadConfig, stats: OffloadStats) -> list[StorageTier]:
@@ -43,6 +43,7 @@ __all__ = [
     "ChunkError",
     "CpuTier",
     "DiskTier",
+    "Expected",
     "OffloadConfig",
     "OffloadStats",
     "StorageTier",

@@ -1,19 +1,23 @@
 """The stored form of one chunk: a self-describing header, then the KV bytes.
 
-    offset 0   magic b"KVRC", version u16, key length u16, fingerprint length u16, 2 pad bytes,
-               payload length u64, payload checksum u64
+    offset 0   magic b"KVRC", version u16, key length u16, fingerprint length u16,
+               tail tokens u16 (0: a full chunk; else a prompt's last partial chunk of this many
+               tokens), payload length u64, payload checksum u64
     then       the chunk key and the model fingerprint digest (ASCII), zero-padded so the
                payload starts on a 64-byte boundary (tensors viewed over it stay aligned)
-    then       the payload: [num_layers, blocks_per_chunk, 2, H_kv, block_size, D] KV values
+    then       the payload: [num_layers, num_blocks, 2, H_kv, block_size, D] KV values, where
+               num_blocks is blocks_per_chunk for a full chunk, the blocks a tail spans for a
+               tail (the slots of its last block past the prompt hold stale values that no
+               reader attends to: a position is written before attention reads it)
 
 A blob is trusted only when every field matches what the reader expects: its key (a file or
 value moved under another name), the fingerprint (another model, dtype or block layout), the
-length (truncation) and the checksum (bit rot, torn writes). Anything else is a ChunkError,
-which the store turns into a miss: recompute, never wrong KV. The checksum is the sum (mod
-2**64) of the payload's 64-bit words: one pass at memory speed, with the GIL released, where
-crc32 cost ~4 ms of a core per 12 MB chunk and slowed decoding. It detects accidents (bit rot,
-torn or short writes), not tampering; a store writable by an adversary needs the instance secret
-(see DESIGN.md 6).
+tail's token count, the length (truncation) and the checksum (bit rot, torn writes). Anything
+else is a ChunkError, which the store turns into a miss: recompute, never wrong KV. The
+checksum is the sum (mod 2**64) of the payload's 64-bit words: one pass at memory speed, with
+the GIL released, where crc32 cost ~4 ms of a core per 12 MB chunk and slowed decoding. It
+detects accidents (bit rot, torn or short writes), not tampering; a store writable by an
+adversary needs the instance secret (see DESIGN.md 6).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from kvrelay.kv_transfer.offload.base import Blob
 
 MAGIC = b"KVRC"
 VERSION = 2  # 1 used crc32: such entries are now a miss and get rewritten
-_FIXED = struct.Struct("<4sHHH2xQQ")
+# NOTE: the tail-token field took over two pad bytes that version 2 always wrote as zero, so
+# every chunk stored before reads as what it is: a full chunk.
+_FIXED = struct.Struct("<4sHHHHQQ")
+MAX_TAIL_TOKENS = 0xFFFF
 _ALIGN = 64
 _MASK64 = (1 << 64) - 1
 
@@ -49,36 +56,38 @@ def header_size(key: str, fingerprint: str) -> int:
     return -(-raw // _ALIGN) * _ALIGN
 
 
-def encode_chunk(key: str, fingerprint: str, payload: memoryview) -> bytearray:
+def encode_chunk(key: str, fingerprint: str, payload: memoryview, tail_tokens: int = 0) -> bytearray:
     """Header + payload in one new buffer (the payload is copied exactly once)."""
     payload = payload.cast("B")
     key_b, fp_b = key.encode("ascii"), fingerprint.encode("ascii")
     start = header_size(key, fingerprint)
     blob = bytearray(start + payload.nbytes)
-    _FIXED.pack_into(blob, 0, MAGIC, VERSION, len(key_b), len(fp_b), payload.nbytes,
+    _FIXED.pack_into(blob, 0, MAGIC, VERSION, len(key_b), len(fp_b), tail_tokens, payload.nbytes,
                      payload_checksum(payload))
     blob[_FIXED.size:_FIXED.size + len(key_b) + len(fp_b)] = key_b + fp_b
     blob[start:] = payload
     return blob
 
 
-def seal_chunk(blob: bytearray, key: str, fingerprint: str) -> None:
-    """Write the header of a blob whose payload is already in place (after header_size bytes):
-    lets a writer gather KV straight into its final buffer, with no second copy."""
+def seal_chunk(blob: bytearray | memoryview, key: str, fingerprint: str, tail_tokens: int = 0) -> None:
+    """Write the header of a blob whose payload is already in place (after header_size bytes, up
+    to the end of `blob`): lets a writer gather KV straight into its final buffer, with no second
+    copy."""
     key_b, fp_b = key.encode("ascii"), fingerprint.encode("ascii")
     start = header_size(key, fingerprint)
     payload = memoryview(blob)[start:]
-    _FIXED.pack_into(blob, 0, MAGIC, VERSION, len(key_b), len(fp_b), payload.nbytes,
+    _FIXED.pack_into(blob, 0, MAGIC, VERSION, len(key_b), len(fp_b), tail_tokens, payload.nbytes,
                      payload_checksum(payload))
     blob[_FIXED.size:start] = (key_b + fp_b).ljust(start - _FIXED.size, b"\0")
 
 
-def decode_chunk(blob: Blob, key: str, fingerprint: str, payload_bytes: int) -> memoryview:
+def decode_chunk(blob: Blob, key: str, fingerprint: str, payload_bytes: int,
+                 tail_tokens: int = 0) -> memoryview:
     """The payload of `blob` (a view, not a copy), after checking every header field."""
     view = memoryview(blob)
     if view.nbytes < _FIXED.size:
         raise ChunkError(f"chunk {key}: {view.nbytes} bytes is shorter than a header")
-    magic, version, key_len, fp_len, length, checksum = _FIXED.unpack_from(view, 0)
+    magic, version, key_len, fp_len, stored_tail, length, checksum = _FIXED.unpack_from(view, 0)
     if magic != MAGIC or version != VERSION:
         raise ChunkError(f"chunk {key}: bad magic/version {magic!r}/{version}")
     names = bytes(view[_FIXED.size:_FIXED.size + key_len + fp_len])
@@ -86,6 +95,8 @@ def decode_chunk(blob: Blob, key: str, fingerprint: str, payload_bytes: int) -> 
         raise ChunkError(f"chunk {key}: the blob holds chunk {names[:key_len]!r}")
     if names[key_len:] != fingerprint.encode("ascii"):
         raise ChunkError(f"chunk {key}: stored by another model or layout (fingerprint mismatch)")
+    if stored_tail != tail_tokens:
+        raise ChunkError(f"chunk {key}: holds {_describe(stored_tail)}, expected {_describe(tail_tokens)}")
     start = header_size(key, fingerprint)
     if length != payload_bytes or view.nbytes != start + length:
         raise ChunkError(f"chunk {key}: {view.nbytes - start} payload bytes (header says {length}), "
@@ -94,3 +105,7 @@ def decode_chunk(blob: Blob, key: str, fingerprint: str, payload_bytes: int) -> 
     if payload_checksum(payload) != checksum:
         raise ChunkError(f"chunk {key}: checksum mismatch")
     return payload
+
+
+def _describe(tail_tokens: int) -> str:
+    return f"a tail of {tail_tokens} tokens" if tail_tokens else "a full chunk"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvrelay.config import parse_size
+from kvrelay.kv_transfer.offload.codec import MAX_TAIL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class OffloadConfig:
         if self.chunk_tokens <= 0 or self.chunk_tokens % block_size:
             raise ValueError(f"chunk_tokens must be a positive multiple of block_size={block_size}, "
                              f"got {self.chunk_tokens}")
+        if self.chunk_tokens > MAX_TAIL_TOKENS + 1:  # a tail is at most chunk_tokens - 1 tokens
+            raise ValueError(f"chunk_tokens must be <= {MAX_TAIL_TOKENS + 1} (a stored tail records its "
+                             f"token count in 16 bits), got {self.chunk_tokens}")
         if not (self.cpu_bytes or self.disk_dir or self.remote_url):
             raise ValueError("OffloadConnector needs at least one tier in kv_connector_extra_config: "
                              "cpu_bytes (e.g. '4GiB'), disk_dir (+ disk_bytes) or remote_url "

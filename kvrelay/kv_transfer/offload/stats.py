@@ -1,6 +1,7 @@
 """Thread-safe counters for the offload store, handed out as a flat `dict[str, float]`.
 
-Keys (summed across steps and workers, like every connector stat):
+Keys (summed across steps and workers, like every connector stat; a "chunk" in them is any
+stored entry, a prompt's tail too):
 
   offload_{tier}_hits / _misses            chunk reads answered / not answered by the tier
   offload_{tier}_bytes_read / _written     blob bytes moved through the tier
@@ -11,6 +12,9 @@ Keys (summed across steps and workers, like every connector stat):
   offload_lookups / offload_lookup_chunks / offload_lookup_hit_chunks
                                            scheduler lookups, chunks asked, chunks found
   offload_chunks_loaded / offload_chunks_load_failed
+  offload_tails_loaded / offload_tails_stored
+                                           the tails alone (a prompt's tokens past its last
+                                           full chunk), loaded / stored
   offload_load_seconds                     summed wall time of load jobs (latency = / loads)
   offload_loads                            load jobs (one per request and step)
   offload_chunks_stored / offload_stores_failed / offload_stores_dropped

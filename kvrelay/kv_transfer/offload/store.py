@@ -5,6 +5,11 @@ top-down; a blob that fails verification is removed from its tier and the next t
 a hit in a lower tier is copied up into every tier above it (promotion). Writes go through to
 every tier, so the disk survives a restart and Redis shares with other instances.
 
+Entries are full chunks or a prompt's tail (its tokens past the last full chunk), a smaller
+blob under its own key; the reader says which it expects (`Expected`), and a blob that holds
+the other kind is corrupt. Tiers account every blob by its size, so tails and chunks share one
+LRU budget (Redis: its own eviction and the TTL).
+
 A tier that fails (TierError) is a miss for that call, counted and logged once (then at most
 every minute); a failing remote tier is skipped for `retry_seconds` so a dead server costs one
 timeout, not one per request.
@@ -15,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,6 +31,14 @@ from kvrelay.kv_transfer.offload.stats import OffloadStats
 logger = logging.getLogger(__name__)
 
 _LOG_EVERY_SECONDS = 60.0
+
+
+class Expected(NamedTuple):
+    """What a reader expects a key's blob to hold: a full chunk (tail_tokens 0) or a prompt's
+    tail of `tail_tokens` tokens, with `payload_bytes` of KV after the header."""
+
+    payload_bytes: int
+    tail_tokens: int = 0
 
 
 def private_copy(blob: Blob) -> memoryview:
@@ -66,8 +79,14 @@ class TieredStore:
                              "offload_lookup_hit_chunks": num_leading})
         return num_leading
 
-    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
-        """Each key's verified payload, or None; hits below the top tier are promoted."""
+    def get_many(self, keys: Sequence[str],
+                 expected: Sequence[Expected] | None = None) -> list[memoryview | None]:
+        """Each key's verified payload, or None; hits below the top tier are promoted.
+        `expected[i]` says what keys[i] holds; by default, every key is a full chunk."""
+        full = Expected(self.payload_bytes)
+        shapes = list(expected) if expected is not None else [full] * len(keys)
+        if len(shapes) != len(keys):
+            raise ValueError(f"get_many: {len(keys)} keys but {len(shapes)} expected shapes")
         payloads: list[memoryview | None] = [None] * len(keys)
         for level, tier in enumerate(self.tiers):
             missing = [i for i, p in enumerate(payloads) if p is None]
@@ -79,7 +98,7 @@ class TieredStore:
             corrupt: list[str] = []
             promote: list[tuple[str, Blob]] = []
             for i, blob in zip(missing, blobs, strict=True):
-                payload = self._verify(tier, keys[i], blob, corrupt)
+                payload = self._verify(tier, keys[i], shapes[i], blob, corrupt)
                 if payload is not None:
                     payloads[i] = payload
                     promote.append((keys[i], blob))  # type: ignore[arg-type]
@@ -92,12 +111,12 @@ class TieredStore:
                 self._promote(self.tiers[:level], promote)
         return payloads
 
-    def _verify(self, tier: StorageTier, key: str, blob: Blob | None,
+    def _verify(self, tier: StorageTier, key: str, shape: Expected, blob: Blob | None,
                 corrupt: list[str]) -> memoryview | None:
         if blob is None:
             return None
         try:
-            return decode_chunk(blob, key, self.fingerprint, self.payload_bytes)
+            return decode_chunk(blob, key, self.fingerprint, shape.payload_bytes, shape.tail_tokens)
         except ChunkError as e:
             self.stats.add(f"offload_{tier.name}_corrupt")
             self.log_rate_limited(f"{tier.name}-corrupt", "offload %s tier: %s; dropped, recomputing",

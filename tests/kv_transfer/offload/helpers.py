@@ -28,8 +28,15 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 def stored_prefix(prompt: list[int]) -> int:
-    """Tokens of `prompt` a store holds after computing it: its full chunks, less the last token."""
-    return min(len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS, len(prompt) - 1)
+    """Tokens of `prompt` a store serves after computing it: its full chunks and its tail, less
+    the last token (always computed: its logits give the first output token)."""
+    return len(prompt) - 1
+
+
+def stored_entries(prompt: list[int]) -> int:
+    """Entries a store holds after computing `prompt`: its full chunks, and its tail (the tokens
+    past the last full chunk) unless that is a single token, which would never be loaded."""
+    return len(prompt) // CHUNK_TOKENS + int(len(prompt) % CHUNK_TOKENS >= 2)
 
 
 def offload_config(**extra: Any) -> dict[str, Any]:

@@ -23,10 +23,12 @@ from tests.kv_transfer.offload.helpers import (
     prompts_of,
     reference_tokens,
     run_in_fresh_process,
+    stored_entries,
     stored_prefix,
 )
 
-PROMPTS = prompts_of([70, 37, 48])  # 4, 2 and 3 full chunks (48 = 3 chunks: 47 tokens loaded)
+# 4, 2 and 3 full chunks; tails of 6 and 5 tokens (48 = 3 chunks: 47 tokens loaded).
+PROMPTS = prompts_of([70, 37, 48])
 # Loads above this many tokens run in the background (WAITING_FOR_REMOTE_KVS).
 ASYNC = {"sync_load_max_tokens": 0}
 SYNC = {"sync_load_max_tokens": 10_000}
@@ -39,7 +41,7 @@ def compute_and_store(config: dict[str, Any]) -> list[list[int]]:
     stats = llm.engine.get_stats()
     assert stats["prompt_tokens_computed"] == sum(map(len, PROMPTS)) and stats["prompt_tokens_external"] == 0
     counts = connector_stats(llm)
-    assert counts["offload_chunks_stored"] == sum(len(p) // CHUNK_TOKENS for p in PROMPTS)
+    assert counts["offload_chunks_stored"] == sum(map(stored_entries, PROMPTS))
     assert counts.get("offload_stores_dropped", 0) == 0
     assert_no_leak(llm)
     return tokens
@@ -57,15 +59,15 @@ def test_cpu_tier_serves_a_repeated_prompt_after_the_local_prefix_cache_is_gone(
                                                 "kv_load_failures")}
     assert_loaded_stored_prefixes(delta, PROMPTS)
     counts = connector_stats(llm)
-    chunks_read = [-(-stored_prefix(p) // CHUNK_TOKENS) for p in PROMPTS]  # a partial one counts
-    assert counts["offload_cpu_hits"] == sum(chunks_read)
+    assert counts["offload_cpu_hits"] == sum(map(stored_entries, PROMPTS))
+    assert counts["offload_tails_loaded"] == 2
     assert_no_leak(llm)
 
 
 def test_disk_tier_is_loaded_by_a_fresh_engine_in_another_process(tmp_path):
     config = offload_config(disk_dir=str(tmp_path), disk_bytes="64MiB")
     tokens = compute_and_store(config)
-    assert len(list(tmp_path.glob("*.kvc"))) == sum(len(p) // CHUNK_TOKENS for p in PROMPTS)
+    assert len(list(tmp_path.glob("*.kvc"))) == sum(map(stored_entries, PROMPTS))
     result = run_in_fresh_process(PROMPTS, config)
     assert result["tokens"] == tokens == reference_tokens(PROMPTS)
     assert_loaded_stored_prefixes(result["stats"], PROMPTS)
@@ -164,6 +166,7 @@ def test_concurrent_requests_sharing_a_prefix_store_each_chunk_once_and_agree(tm
     llm = make_llm(config)
     assert generate(llm, prompts) == reference_tokens(prompts)
     unique = {tuple(p[:end]) for p in prompts for end in range(CHUNK_TOKENS, len(p) + 1, CHUNK_TOKENS)}
+    unique |= {tuple(p) for p in prompts if len(p) % CHUNK_TOKENS >= 2}  # their tails
     assert connector_stats(llm)["offload_chunks_stored"] == len(unique)
     assert len(list(tmp_path.glob("*.kvc"))) == len(unique)
     assert_no_leak(llm)
