@@ -11,6 +11,7 @@ from kvrelay.kv_transfer.offload import (
     ChunkError,
     CpuTier,
     DiskTier,
+    Expected,
     OffloadConfig,
     OffloadStats,
     TieredStore,
@@ -45,6 +46,59 @@ def test_codec_round_trips_and_rejects_every_mismatch():
                               (b"junk", (key(1), FP, PAYLOAD), "shorter")]:
         with pytest.raises(ChunkError, match=reason):
             decode_chunk(bad, *args)
+
+
+def test_codec_checks_a_tail_s_token_count_and_reads_chunks_stored_before_tails_existed():
+    import struct
+
+    from kvrelay.kv_transfer.offload.codec import header_size, payload_checksum
+
+    payload = memoryview(bytes([3]) * 200)
+    tail = encode_chunk(key(1), FP, payload, tail_tokens=5)
+    assert bytes(decode_chunk(tail, key(1), FP, 200, tail_tokens=5)) == bytes(payload)
+    with pytest.raises(ChunkError, match="holds a tail of 5 tokens, expected a tail of 6 tokens"):
+        decode_chunk(tail, key(1), FP, 200, tail_tokens=6)
+    with pytest.raises(ChunkError, match="expected a full chunk"):
+        decode_chunk(tail, key(1), FP, 200)
+    with pytest.raises(ChunkError, match="holds a full chunk"):
+        decode_chunk(blob(key(1)), key(1), FP, PAYLOAD, tail_tokens=5)
+    # A blob written before tails existed: the same fields, two zero pad bytes where the tail's
+    # token count is now. It still reads as a full chunk.
+    names = (key(1) + FP).encode()
+    start = header_size(key(1), FP)
+    old = bytearray(start + PAYLOAD)
+    struct.pack_into("<4sHHH2xQQ", old, 0, b"KVRC", 2, 40, len(FP), PAYLOAD,
+                     payload_checksum(memoryview(bytes([7]) * PAYLOAD)))
+    old[28:28 + len(names)] = names
+    old[start:] = bytes([7]) * PAYLOAD
+    assert bytes(decode_chunk(old, key(1), FP, PAYLOAD)) == bytes([7]) * PAYLOAD
+    assert bytes(old) == bytes(blob(key(1)))
+
+
+def test_config_rejects_chunks_whose_tail_count_does_not_fit_the_header():
+    with pytest.raises(ValueError, match="chunk_tokens must be <= 65536"):
+        OffloadConfig.from_extra_config({"cpu_bytes": "1MiB", "chunk_tokens": 65536 + 16}, block_size=16)
+    assert OffloadConfig.from_extra_config({"cpu_bytes": "1MiB", "chunk_tokens": 65536},
+                                           block_size=16).chunk_tokens == 65536
+
+
+def test_store_reads_a_tail_as_what_the_reader_expects_and_tiers_count_its_own_size(tmp_path):
+    stats = OffloadStats()
+    cpu, disk = CpuTier(10 * PAYLOAD, stats), DiskTier(tmp_path, 100 * PAYLOAD, stats)
+    store = TieredStore([cpu, disk], FP, PAYLOAD, stats)
+    tail = encode_chunk(key(2), FP, memoryview(bytes([9]) * 300), tail_tokens=3)
+    assert store.put(key(1), blob(key(1))) and store.put(key(2), tail)
+    assert cpu.used_bytes == len(blob(key(1))) + len(tail) and len(tail) < len(blob(key(1)))
+    assert (tmp_path / f"{key(2)}.kvc").stat().st_size == len(tail)
+    assert store.lookup([key(1), key(2)]) == 2
+    full, part = store.get_many([key(1), key(2)], [Expected(PAYLOAD), Expected(300, tail_tokens=3)])
+    assert bytes(full or b"") == bytes([7]) * PAYLOAD and bytes(part or b"") == bytes([9]) * 300
+    # Read as something else, the tail is corrupt: dropped from every tier that held it.
+    assert store.get_many([key(2)], [Expected(300, tail_tokens=4)]) == [None]
+    assert cpu.contains([key(2)]) == [False] and not (tmp_path / f"{key(2)}.kvc").exists()
+    assert cpu.used_bytes == len(blob(key(1)))
+    with pytest.raises(ValueError, match="2 keys but 1 expected"):
+        store.get_many([key(1), key(2)], [Expected(PAYLOAD)])
 
 
 def test_cpu_tier_evicts_the_least_recently_used_past_its_budget():
