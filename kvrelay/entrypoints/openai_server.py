@@ -122,8 +122,8 @@ class OpenAIServer:
         req = _parse(CompletionRequest, await _read_json(request))
         self.check_model(req.model)
         params = _to_sampling_params(req)
-        prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens)
-                   for p in req.prompts()]
+        prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
+                                req.truncate_prompt_tokens) for p in req.prompts()]
         if len(prompts) > 1 and req.kv_transfer_params is not None:
             raise APIError(400, f"kv_transfer_params with a list of {len(prompts)} prompts: each prompt "
                                 "needs its own, so send one prompt per request (the kvrelay proxy splits "
@@ -142,7 +142,8 @@ class OpenAIServer:
         params = _to_sampling_params(req)
         text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt), "messages")
         max_tokens, max_param = req.max_tokens_param
-        prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens)
+        prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens,
+                              req.truncate_prompt_tokens)
         ctx = ResponseContext("chat", self.served_model_name, params.logprobs if req.logprobs else None,
                               req.include_usage_in_stream, req.continuous_usage_in_stream, params.n,
                               [req.echo_text()])
@@ -153,14 +154,25 @@ class OpenAIServer:
             [m.as_template_input() for m in messages], add_generation_prompt=add_generation_prompt))
 
     def _prompt(self, prompt: str | list[int], max_tokens: int | None, max_param: str, param: str,
-                add_special_tokens: bool) -> dict[str, Any]:
+                add_special_tokens: bool, truncate: int | None = None) -> dict[str, Any]:
         """Tokenize and check one prompt against the context: the prompt must leave room for one
-        output token, and for all of `max_tokens` when that is set (vLLM's rules and wording)."""
+        output token, and for all of `max_tokens` when that is set (vLLM's rules and wording).
+        `truncate` (truncate_prompt_tokens) keeps the prompt's last tokens; -1 all that fit."""
         if isinstance(prompt, str):
             token_ids = self.async_llm.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             token_ids = list(prompt)
-        limit, used = self.async_llm.max_model_len, len(token_ids)
+        limit = self.async_llm.max_model_len
+        if truncate is not None:
+            fits = limit - (max_tokens if max_tokens is not None else 1)
+            if truncate > fits:
+                raise APIError(400, f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len "
+                                    f"- {max_param} = {fits}; ask for a smaller truncation",
+                               "truncate_prompt_tokens")
+            keep = fits if truncate == -1 else truncate
+            token_ids = token_ids[-keep:] if keep > 0 else []
+            prompt = token_ids  # the text no longer matches the tokens
+        used = len(token_ids)
         if used >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
                                 f"request has {used} input tokens. Please reduce the length of the input "

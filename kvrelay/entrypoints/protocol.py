@@ -22,7 +22,8 @@ __all__ = ["ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "T
 _UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
     "use_beam_search": (None, False), "prompt_logprobs": (None,), "logprob_token_ids": (None,),
-    "truncate_prompt_tokens": (None,), "structured_outputs": (None,), "guided_json": (None,),
+    "response_format": (None, {"type": "text"}), "priority": (None, 0), "structured_outputs": (None,),
+    "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "prompt_embeds": (None,), "continue_final_message": (None, False), "tools": (None,),
     "tool_choice": (None, "none", "auto"), "suffix": (None,),
@@ -59,6 +60,7 @@ class _SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # kvrelay / vLLM extensions
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last N (-1: all that fit)
     kv_transfer_params: dict[str, Any] | None = None
     request_id: str | None = None
 

@@ -198,6 +198,16 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
     assert counts == sorted(counts) and counts[-1] == 3 and events[-1]["usage"]["completion_tokens"] == 3
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
+    body = {"prompt": [5] * 600 + [6, 7], "max_tokens": 2, "temperature": 0.0, **IGNORE_EOS}
+    kept = post(server.url, "/v1/completions", {**body, "truncate_prompt_tokens": 3}).json()
+    assert kept["usage"]["prompt_tokens"] == 3
+    alone = post(server.url, "/v1/completions", {**body, "prompt": [5, 6, 7]}).json()
+    assert kept["choices"][0]["text"] == alone["choices"][0]["text"]
+    fitted = post(server.url, "/v1/completions", {**body, "truncate_prompt_tokens": -1}).json()
+    assert fitted["usage"]["prompt_tokens"] == 512 - 2  # all that leave room for max_tokens
+
+
 # ----------------------------------------------------------------------------------- echo
 def test_echo_prepends_the_prompt_streamed_and_not(client):
     kwargs = dict(model=MODEL, max_tokens=3, temperature=0.0, extra_body=IGNORE_EOS)
