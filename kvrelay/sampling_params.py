@@ -13,6 +13,9 @@ from typing import Any
 # Below this temperature a request is sampled greedily (dividing by ~0 would overflow).
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_N = 16384  # vLLM's default cap on parallel samples per request
+MAX_TEMPERATURE = 2.0  # OpenAI's range, which vLLM enforces too
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed must fit a signed 64-bit int
 
 
 class SamplingParamTypeError(TypeError, ValueError):
@@ -22,12 +25,13 @@ class SamplingParamTypeError(TypeError, ValueError):
 
 @dataclass
 class SamplingParams:
+    # Parallel samples from one prompt; the prompt is computed once (kvrelay.engine.parallel_sampling).
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # -1 means no seed, as in vLLM
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -43,6 +47,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None
         self.stop = _normalise_stop(self.stop)  # from here on always a list
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self._check_types()
@@ -67,11 +73,16 @@ class SamplingParams:
                 raise SamplingParamTypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def _check_ranges(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n}: kvrelay supports only n=1 "
-                             "(send several requests for several completions)")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if self.n > 1 and self.is_greedy:
+            raise ValueError(f"n must be 1 when sampling greedily (temperature={self.temperature}), "
+                             f"got {self.n}: n greedy samples would all be the same; raise the temperature")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a signed 64-bit int in [{SEED_MIN}, {SEED_MAX}] (or -1 for "
+                             f"none), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

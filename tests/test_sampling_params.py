@@ -51,7 +51,12 @@ def test_pickle_round_trip():
 
 # (field, bad value, text the message must show so the user can find the mistake)
 BAD_VALUES = [
-    ("n", 2, "2"),
+    ("n", 0, "[1, 16384]"),
+    ("n", 16385, "16385"),
+    ("n", 1.0, "1.0"),
+    ("temperature", 2.5, "[0, 2]"),
+    ("seed", 2**63, str(2**63)),
+    ("seed", -(2**63) - 1, "64-bit"),
     ("temperature", -0.1, "-0.1"),
     ("temperature", float("nan"), "nan"),
     ("top_p", 0.0, "(0, 1]"),
@@ -97,9 +102,15 @@ def test_min_tokens_above_max_tokens_names_both():
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
-def test_n_above_one_says_only_one_is_supported():
-    with pytest.raises(ValueError, match="only n=1"):
-        SamplingParams(n=3)
+def test_n_above_one_is_parallel_sampling_but_not_with_greedy():
+    assert SamplingParams(n=3).n == 3
+    with pytest.raises(ValueError, match="n must be 1 when sampling greedily"):
+        SamplingParams(n=3, temperature=0.0)
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
 
 
 def test_wrong_type_is_also_a_type_error():

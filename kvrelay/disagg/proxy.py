@@ -8,7 +8,14 @@
          D loads the KV instead of recomputing it and generates; its answer (SSE or JSON) is
          relayed to the client chunk by chunk as it arrives.
 
-Both legs carry the same request id (body `request_id`, header `X-Request-Id`). When the prefill
+Parallel sampling: P is asked for one sample (n=1), so it computes the prompt once; D gets the
+client's n and its choices share the loaded KV through its prefix cache. A list of prompts in
+/v1/completions is split into one request per prompt for both legs, run concurrently, and merged
+back (kvrelay.disagg.prompt_list): P computes each prompt once and D gets each prompt's own
+kv_transfer_params.
+
+Both legs carry the same request id (body `request_id`, header `X-Request-Id`; `<id>-<k>` for
+prompt k of a list). When the prefill
 leg cannot help (P down, slow, erroring, or answering without kv_transfer_params) the client's
 body goes to D alone and D prefills locally: a fallback, counted in /metrics by reason. A client
 that disconnects closes the decode leg, which aborts the request on D.
@@ -32,6 +39,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvrelay.disagg import prompt_list
 from kvrelay.disagg.backends import Backend, BackendPool
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
 
@@ -70,6 +78,9 @@ def prefill_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     leg.pop("min_tokens", None)  # a minimum above one token would make P reject the leg
+    if leg.get("n") not in (None, 1):
+        leg["n"] = 1  # one sample computes the prompt; D draws the n choices
+    leg.pop("best_of", None)
     leg["stream"] = False
     leg.pop("stream_options", None)
     leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
@@ -147,13 +158,51 @@ class DisaggProxy:
             return openai_error(400, f"request body must be a JSON object, got {type(body).__name__}",
                                 "BadRequestError")
         request_id = f"kvrelay-{uuid.uuid4().hex}"
-        headers = self._headers(request_id, httpx.Headers(dict(request.headers)))
+        client_headers = httpx.Headers(dict(request.headers))
+        prompts = prompt_list.split_prompts(route, body)
+        if prompts is not None:
+            return await self._generate_list(request, route, body, prompts, request_id, client_headers)
+        headers = self._headers(request_id, client_headers)
         kv_transfer_params = await self._prefill(route, body, request_id, headers)
         if await request.is_disconnected():
             self.metrics.errors.labels(kind="client_disconnected").inc()
             return Response(status_code=499)
         return await self._decode(route, decode_body(body, request_id, kv_transfer_params),
                                   request_id, headers)
+
+    async def _generate_list(self, request: Request, route: str, body: dict[str, Any], prompts: list[Any],
+                             request_id: str, client_headers: httpx.Headers) -> Response:
+        """One P leg and one D leg per prompt, concurrently; the answers merged in prompt order."""
+        ids = [f"{request_id}-{k}" for k in range(len(prompts))]
+        bodies = [{**body, "prompt": prompt} for prompt in prompts]
+        headers = [self._headers(rid, client_headers) for rid in ids]
+        params = await asyncio.gather(*(self._prefill(route, b, rid, h)
+                                        for b, rid, h in zip(bodies, ids, headers, strict=True)))
+        if await request.is_disconnected():
+            self.metrics.errors.labels(kind="client_disconnected").inc()
+            return Response(status_code=499)
+        opened = await asyncio.gather(*(
+            self._open_decode(route, decode_body(b, rid, p), rid, h)
+            for b, rid, p, h in zip(bodies, ids, params, headers, strict=True)))
+        legs = [leg for leg in opened if not isinstance(leg, Response)]
+        failed = [leg for leg in opened if isinstance(leg, Response)]
+        if failed:  # one prompt's error answers the request, as one instance's would
+            for backend, upstream in legs:
+                await self._close_leg(backend, upstream, "cancelled")
+            return failed[0]
+        n = prompt_list.num_choices(body)
+        response_id = ("chatcmpl-" if route.endswith("chat/completions") else "cmpl-") + request_id
+        response_headers = {REQUEST_ID_HEADER: request_id}
+        if not body.get("stream"):
+            answers = []
+            for backend, upstream in legs:
+                try:
+                    answers.append(json.loads(await upstream.aread()))
+                finally:
+                    await self._close_leg(backend, upstream, "ok")
+            return JSONResponse(prompt_list.merge_bodies(answers, n, response_id), headers=response_headers)
+        return StreamingResponse(self._relay_list(legs, n, response_id, request_id),
+                                 media_type="text/event-stream", headers=response_headers)
 
     async def _prefill(self, route: str, body: dict[str, Any], request_id: str,
                        headers: dict[str, str]) -> dict[str, Any] | None:
@@ -191,9 +240,10 @@ class DisaggProxy:
             return "no_kv_transfer_params", None
         return "ok", params
 
-    async def _decode(self, route: str, body: dict[str, Any], request_id: str,
-                      headers: dict[str, str]) -> Response:
-        """Send the decode leg and relay D's answer; D's own errors pass through unchanged."""
+    async def _open_decode(self, route: str, body: dict[str, Any], request_id: str,
+                           headers: dict[str, str]) -> tuple[Backend, httpx.Response] | Response:
+        """Send a decode leg: the open upstream response, or the Response to answer with when D
+        is unreachable or refused (D's own errors pass through unchanged)."""
         backend = self.decode.acquire()
         try:
             upstream = await self.client.send(
@@ -205,8 +255,6 @@ class DisaggProxy:
             self.metrics.errors.labels(kind="decode_unreachable").inc()
             logger.warning("request %s: decode leg to %s failed: %r", request_id, backend.url, e)
             return openai_error(502, f"decode instance {backend.url} is unreachable: {e!r}")
-        response_headers = {REQUEST_ID_HEADER: request_id}
-        media_type = upstream.headers.get("content-type", "application/json")
         if upstream.status_code >= 400:
             try:
                 content = await upstream.aread()
@@ -215,11 +263,29 @@ class DisaggProxy:
                 self.decode.release(backend)
             self.metrics.legs.labels(leg="decode", backend=backend.url, outcome="error").inc()
             self.metrics.errors.labels(kind=f"decode_http_{upstream.status_code}").inc()
-            return Response(content, status_code=upstream.status_code, media_type=media_type,
-                            headers=response_headers)
+            return Response(content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type", "application/json"),
+                            headers={REQUEST_ID_HEADER: request_id})
+        return backend, upstream
+
+    async def _decode(self, route: str, body: dict[str, Any], request_id: str,
+                      headers: dict[str, str]) -> Response:
+        """Send the decode leg and relay D's answer as it arrives."""
+        leg = await self._open_decode(route, body, request_id, headers)
+        if isinstance(leg, Response):
+            return leg
+        backend, upstream = leg
         return StreamingResponse(self._relay(upstream, backend, request_id),
-                                 status_code=upstream.status_code, media_type=media_type,
-                                 headers=response_headers)
+                                 status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type", "application/json"),
+                                 headers={REQUEST_ID_HEADER: request_id})
+
+    async def _close_leg(self, backend: Backend, upstream: httpx.Response, outcome: str) -> None:
+        # NOTE: shielded, because a cancelled scope would otherwise abort the close itself.
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        self.decode.release(backend)
+        self.metrics.legs.labels(leg="decode", backend=backend.url, outcome=outcome).inc()
 
     async def _relay(self, upstream: httpx.Response, backend: Backend,
                      request_id: str) -> AsyncIterator[bytes]:
@@ -237,11 +303,57 @@ class DisaggProxy:
             self.metrics.errors.labels(kind="client_disconnected").inc()
             raise
         finally:
-            # NOTE: shielded, because a cancelled scope would otherwise abort the close itself.
+            await self._close_leg(backend, upstream, outcome)
+
+    async def _relay_list(self, legs: list[tuple[Backend, httpx.Response]], n: int, response_id: str,
+                          request_id: str) -> AsyncIterator[bytes]:
+        """The legs' SSE chunks interleaved as they arrive, renumbered; one usage chunk and one
+        [DONE] at the end. Closing this (client gone) closes every leg, aborting them on D."""
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+        outcomes = ["ok"] * len(legs)
+
+        async def pump(k: int, upstream: httpx.Response) -> None:
+            try:
+                async for line in upstream.aiter_lines():
+                    event = prompt_list.parse_sse_line(line)
+                    if isinstance(event, dict):
+                        queue.put_nowait((k, event))
+            except httpx.TransportError as e:
+                outcomes[k] = "error"
+                self.metrics.errors.labels(kind="decode_stream_broken").inc()
+                logger.warning("request %s: decode stream %d broke: %r", request_id, k, e)
+            finally:
+                queue.put_nowait((k, None))
+
+        tasks = [asyncio.ensure_future(pump(k, upstream)) for k, (_, upstream) in enumerate(legs)]
+        usage: dict[str, Any] | None = None
+        last_chunk: dict[str, Any] | None = None
+        try:
+            remaining = len(legs)
+            while remaining:
+                k, event = await queue.get()
+                if event is None:
+                    remaining -= 1
+                elif prompt_list.is_usage_chunk(event):
+                    usage = prompt_list.add_usage(usage, event["usage"])
+                    last_chunk = event
+                else:
+                    chunk = prompt_list.renumber(event, k, n, response_id)
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if usage is not None and last_chunk is not None:
+                yield f"data: {json.dumps({**last_chunk, 'id': response_id, 'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        except BaseException:
+            outcomes = ["cancelled" if o == "ok" else o for o in outcomes]
+            self.metrics.errors.labels(kind="client_disconnected").inc()
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
             with anyio.CancelScope(shield=True):
-                await upstream.aclose()
-            self.decode.release(backend)
-            self.metrics.legs.labels(leg="decode", backend=backend.url, outcome=outcome).inc()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for (backend, upstream), outcome in zip(legs, outcomes, strict=True):
+                await self._close_leg(backend, upstream, outcome)
 
     # ------------------------------------------------------------------ other routes
 

@@ -55,7 +55,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns the final outputs in prompt order. A prompt is a
-        string or {"prompt_token_ids": [...]}. Invalid prompts raise before any work starts."""
+        string or {"prompt_token_ids": [...]}. Invalid prompts raise before any work starts.
+        With `SamplingParams(n=k)` an output holds k completions (index 0..k-1) sharing the
+        prompt's KV (kvrelay.engine.parallel_sampling)."""
         prompt_list = self._as_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
@@ -73,11 +75,15 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+        The template writes the model's special tokens itself, so encoding adds none (as the
+        server's chat route and vLLM do)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[PromptType] = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            for conv in conversations]
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod

@@ -12,6 +12,7 @@ import torch
 from kvrelay.config import EngineConfig
 from kvrelay.core.scheduler import Scheduler
 from kvrelay.engine.output_processor import OutputProcessor
+from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.model.llama import build_model
 from kvrelay.model.loader import LoadedModel, load_model
 from kvrelay.outputs import RequestOutput
@@ -48,6 +49,8 @@ class LLMEngine:
                                   seed=mcfg.seed, eos_token_ids=self.eos_token_ids,
                                   connector=worker_connector)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.parallel = ParallelSampling(self.add_request, lambda rid: rid in self.scheduler.requests,
+                                         stagger=ccfg.enable_prefix_caching)
         self._ids = itertools.count()
 
     def _num_blocks(self, config: EngineConfig) -> int:
@@ -98,6 +101,10 @@ class LLMEngine:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.n > 1:  # n child requests, merged back into this id's outputs
+            self.parallel.add(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params,
+                              kv_transfer_params)
+            return request_id
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                           eos_token_ids=self.eos_token_ids, kv_transfer_params=kv_transfer_params)
         self.scheduler.add_request(request)
@@ -133,7 +140,7 @@ class LLMEngine:
                              "prompt tokens leave room for one output token")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = self.parallel.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     # ----------------------------------------------------------------------------- step
@@ -145,6 +152,7 @@ class LLMEngine:
         for req_id, stop in stopped.items():  # a stop string ends the request outside the step
             self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop,
                                            report=False)
+        outputs = self.parallel.process(outputs)
         if sched_out.is_empty and not outputs:
             # NOTE: nothing ran: only transfers are in flight. Yield the GIL (and the core) to
             # the connector's threads instead of spinning, or a loop of empty steps starves them.

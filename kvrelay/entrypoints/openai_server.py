@@ -1,11 +1,18 @@
 """The OpenAI-compatible HTTP server of one kvrelay instance: `build_app(async_llm, name)`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE ending in
-`data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+`data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health,
+GET /metrics, and FastAPI's GET /openapi.json and /docs.
+
+Parallel sampling (`n`) and prompt lists: a list in /v1/completions becomes one engine request
+per prompt (ids `<id>-<k>`), each with n choices; choice j of prompt k has index k * n + j, and
+a stream interleaves the choices as their tokens arrive. Usage counts each prompt once and every
+choice's tokens (OpenAI's rule).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Bad input is always
 a 4xx naming the field (never a 500), and the server keeps serving:
-    400 invalid JSON, wrong types, out-of-range values, prompt too long, bad kv_transfer_params
+    400 invalid JSON, wrong types, out-of-range values, prompt or max_tokens beyond the context,
+        fields kvrelay does not implement, bad kv_transfer_params
     401 missing or wrong `Authorization: Bearer <key>` (every route but /health, when a key is set)
     404 unknown model or route
     500 the engine failed the request; 503 the engine thread is gone (/health says so too)
@@ -17,28 +24,36 @@ already in flight gets a suffix (see kvrelay.engine.async_llm); the response's `
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrelay.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+import kvrelay
+from kvrelay.engine.async_llm import AsyncLLM
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
 from kvrelay.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     ValidationError,
     check_kv_transfer_params,
     describe_validation_error,
+)
+from kvrelay.entrypoints.streams import (
+    DisconnectAwareStreamingResponse,
+    StreamFailedError,
+    final_outputs,
+    interleave,
+    unless_disconnected,
 )
 from kvrelay.metrics.prometheus import ServerMetrics
 from kvrelay.outputs import RequestOutput
@@ -47,7 +62,7 @@ from kvrelay.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest)
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -104,74 +119,134 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
-        body = await _read_json(request)
-        req = _parse(CompletionRequest, body)
+        req = _parse(CompletionRequest, await _read_json(request))
         self.check_model(req.model)
         params = _to_sampling_params(req)
-        prompt = _field_error(lambda: self.async_llm.preprocess(req.single_prompt()), "prompt")
+        prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
+                                req.truncate_prompt_tokens) for p in req.prompts()]
+        if len(prompts) > 1 and req.kv_transfer_params is not None:
+            raise APIError(400, f"kv_transfer_params with a list of {len(prompts)} prompts: each prompt "
+                                "needs its own, so send one prompt per request (the kvrelay proxy splits "
+                                "lists)", "kv_transfer_params")
+        tokenizer = self.async_llm.engine.tokenizer
+        echo = [p["prompt"] if p["prompt"] is not None else tokenizer.decode(p["prompt_token_ids"])
+                for p in prompts] if req.echo else []
         ctx = ResponseContext("completion", self.served_model_name, params.logprobs,
-                              req.include_usage_in_stream)
-        return await self._generate(request, req, prompt, params, ctx)
+                              req.include_usage_in_stream, req.continuous_usage_in_stream, params.n,
+                              echo, req.echo_only)
+        return await self._generate(request, req, prompts, params, ctx)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _read_json(request)
-        req = _parse(ChatCompletionRequest, body)
+        req = _parse(ChatCompletionRequest, await _read_json(request))
         self.check_model(req.model)
         params = _to_sampling_params(req)
-
-        def render() -> dict[str, Any]:
-            messages = [m.as_template_input() for m in req.messages]
-            text = self.async_llm.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt)
-            return self.async_llm.preprocess(text)
-
-        prompt = _field_error(render, "messages")
+        text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt), "messages")
+        max_tokens, max_param = req.max_tokens_param
+        prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens,
+                              req.truncate_prompt_tokens)
         ctx = ResponseContext("chat", self.served_model_name, params.logprobs if req.logprobs else None,
-                              req.include_usage_in_stream)
-        return await self._generate(request, req, prompt, params, ctx)
+                              req.include_usage_in_stream, req.continuous_usage_in_stream, params.n,
+                              [req.echo_text()])
+        return await self._generate(request, req, [prompt], params, ctx)
+
+    def _render_chat(self, messages: list[Any], add_generation_prompt: bool) -> str:
+        return str(self.async_llm.engine.tokenizer.apply_chat_template(
+            [m.as_template_input() for m in messages], add_generation_prompt=add_generation_prompt))
+
+    def _prompt(self, prompt: str | list[int], max_tokens: int | None, max_param: str, param: str,
+                add_special_tokens: bool, truncate: int | None = None) -> dict[str, Any]:
+        """Tokenize and check one prompt against the context: the prompt must leave room for one
+        output token, and for all of `max_tokens` when that is set (vLLM's rules and wording).
+        `truncate` (truncate_prompt_tokens) keeps the prompt's last tokens; -1 all that fit."""
+        if isinstance(prompt, str):
+            token_ids = self.async_llm.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            token_ids = list(prompt)
+        limit = self.async_llm.max_model_len
+        if truncate is not None:
+            fits = limit - (max_tokens if max_tokens is not None else 1)
+            if truncate > fits:
+                raise APIError(400, f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len "
+                                    f"- {max_param} = {fits}; ask for a smaller truncation",
+                               "truncate_prompt_tokens")
+            keep = fits if truncate == -1 else truncate
+            token_ids = token_ids[-keep:] if keep > 0 else []
+            prompt = token_ids  # the text no longer matches the tokens
+        used = len(token_ids)
+        if used >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                                f"request has {used} input tokens. Please reduce the length of the input "
+                                f"{param}.", param)
+        if max_tokens is not None and used + max_tokens > limit:
+            raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                                f"This model's maximum context length is {limit} tokens and your request "
+                                f"has {used} input tokens ({max_tokens} > {limit} - {used}).", max_param)
+        _field_error(lambda: self.async_llm.engine.validate_prompt(token_ids), param)
+        return {"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": token_ids}
 
     async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
-                        prompt: dict[str, Any], params: SamplingParams, ctx: ResponseContext) -> Response:
+                        prompts: list[dict[str, Any]], params: SamplingParams,
+                        ctx: ResponseContext) -> Response:
         _field_error(lambda: check_kv_transfer_params(req.kv_transfer_params), "kv_transfer_params")
         self.check_alive()
         request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-        outputs = self._observed(self.async_llm.generate(prompt, params, request_id, req.kv_transfer_params))
+        if len(prompts) > 1:
+            ctx.request_id = request_id
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
+        streams = [self._observed(self.async_llm.generate(p, params, rid, req.kv_transfer_params))
+                   for p, rid in zip(prompts, ids, strict=True)]
         if req.stream:
-            events = self._stream(outputs, ctx)
-            return DisconnectAwareStreamingResponse(events, media_type="text/event-stream",
+            return DisconnectAwareStreamingResponse(self._stream(streams, ctx),
+                                                    media_type="text/event-stream",
                                                     headers={"X-Request-Id": request_id})
-        final = await _unless_disconnected(request, _last(outputs))
-        if final is None:  # the client left: the request was aborted, nobody reads this
+        try:
+            finals = await unless_disconnected(request, final_outputs(streams))
+        except StreamFailedError as e:
+            raise APIError(e.status, str(e)) from None
+        if finals is None:  # the client left: the requests were aborted, nobody reads this
             return Response(status_code=499)
-        if final.outputs[0].finish_reason == "error":
-            raise APIError(500, f"the engine failed the request: {final.error or 'unknown error'}")
-        return JSONResponse(full_response(ctx, final), headers={"X-Request-Id": final.request_id})
+        for final in finals:
+            if any(c.finish_reason == "error" for c in final.outputs):
+                raise APIError(500, f"the engine failed the request: {final.error or 'unknown error'}")
+        response_id = request_id if len(finals) > 1 else finals[0].request_id
+        return JSONResponse(full_response(ctx, finals), headers={"X-Request-Id": response_id})
 
-    async def _stream(self, outputs: AsyncIterator[RequestOutput],
+    async def _stream(self, streams: list[AsyncIterator[RequestOutput]],
                       ctx: ResponseContext) -> AsyncIterator[str]:
         writer = ChunkWriter(ctx)
+        events = interleave(streams)
+        failed = False
         try:
-            async for out in outputs:
-                if out.finished and out.outputs[0].finish_reason == "error":
+            async for k, out in events:
+                if out.finished and any(c.finish_reason == "error" for c in out.outputs):
                     message = f"the engine failed the request: {out.error or 'unknown error'}"
                     yield sse(error_body(500, message))
+                    failed = True
                     break
-                for event in writer.chunks(out):
+                for event in writer.chunks(k, out):
                     yield event
-        except (ValueError, RequestFailedError, EngineDeadError) as e:
-            yield sse(error_body(_status_of(e), str(e)))
+        except StreamFailedError as e:
+            yield sse(error_body(e.status, str(e)))
+            failed = True
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]  # aborts the request if unfinished
+            await events.aclose()  # type: ignore[attr-defined]  # aborts the requests still running
+        usage_chunk = None if failed else writer.usage_chunk()
+        if usage_chunk is not None:
+            yield usage_chunk
         yield sse("[DONE]")
 
     async def _observed(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Pass outputs through, observing TTFT, inter-token latency and finish reasons."""
+        """Pass one engine request's outputs through, observing TTFT, inter-token latency (per
+        step: the time since the previous step that gave this request tokens, over the tokens any
+        one choice got) and each choice's finish reason."""
         arrival = last = time.monotonic()
         seen_token = False
-        outcome = "abort"  # unless a final output or an error says otherwise: the client left
+        latest: RequestOutput | None = None
+        failed = False
         try:
             async for out in outputs:
-                n_new = len(out.outputs[0].delta_token_ids)
+                latest = out
+                n_new = max((len(c.delta_token_ids) for c in out.outputs), default=0)
                 if n_new:
                     now = time.monotonic()
                     if not seen_token:
@@ -180,15 +255,26 @@ class OpenAIServer:
                     else:
                         self.metrics.inter_token_latency.observe((now - last) / n_new)
                     last = now
-                if out.finished:
-                    outcome = out.outputs[0].finish_reason or "unknown"
                 yield out
         except Exception:
-            outcome = "error"
+            failed = True
             raise
         finally:
-            self.metrics.requests_finished.labels(outcome).inc()
+            self._count_finished(latest, failed)
             await outputs.aclose()  # type: ignore[attr-defined]
+
+    def _count_finished(self, latest: RequestOutput | None, failed: bool) -> None:
+        """One count per choice: its finish reason; "error" or "abort" (the client left) when the
+        request did not finish."""
+        choices = latest.outputs if latest is not None else [None]
+        for completion in choices:
+            if failed:
+                outcome = "error"
+            elif completion is None or completion.finish_reason is None:
+                outcome = "abort"
+            else:
+                outcome = completion.finish_reason
+            self.metrics.requests_finished.labels(outcome).inc()
 
     # ----------------------------------------------------------------------------- other routes
     def models(self) -> dict[str, Any]:
@@ -197,6 +283,35 @@ class OpenAIServer:
             "owned_by": "kvrelay", "root": self.async_llm.model_name,
             "max_model_len": self.async_llm.max_model_len}]}
 
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt (special tokens added by default) or chat messages (the
+        template's text, no special tokens added by default)."""
+        req = _parse(TokenizeRequest, await _read_json(request))
+        self.check_model(req.model)
+        tokenizer = self.async_llm.engine.tokenizer
+        if req.messages is not None:
+            messages = req.messages
+            text = _field_error(lambda: self._render_chat(messages, req.add_generation_prompt), "messages")
+            add_special = bool(req.add_special_tokens)
+        else:
+            text = req.prompt or ""
+            add_special = req.add_special_tokens is not False
+        tokens = tokenizer.encode(text, add_special_tokens=add_special)
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": self.async_llm.max_model_len,
+                                "tokens": tokens, "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = [tokenizer.id_to_token(t) for t in tokens]
+        return body
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        req = _parse(DetokenizeRequest, await _read_json(request))
+        self.check_model(req.model)
+        vocab = self.async_llm.engine.spec.vocab_size
+        for i, tok in enumerate(req.tokens):
+            if not 0 <= tok < vocab:
+                raise APIError(400, f"tokens[{i}]={tok} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.async_llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
     def health(self) -> JSONResponse:
         reason = self.async_llm.dead_reason
         if reason is not None:
@@ -204,32 +319,11 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
 
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving and then cancels the
-    stream (whatever ASGI spec version the server speaks), so the request is aborted at once
-    instead of when the next chunk fails to send."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with anyio.create_task_group() as group:
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client is gone
-                finally:
-                    group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-        await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
 def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
               api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `async_llm`. It does not own the AsyncLLM: shut that down yourself."""
     server = OpenAIServer(async_llm, served_model_name or async_llm.model_name, api_key)
-    app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvrelay", version=kvrelay.__version__)  # /openapi.json, /docs, /redoc
     app.state.server = server
     auth = [Depends(server.check_api_key)]
 
@@ -257,6 +351,18 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
         return server.models()
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return await server.tokenize(request)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return await server.detokenize(request)
+
+    @app.get("/version", dependencies=auth)
+    async def version() -> dict[str, str]:
+        return {"version": kvrelay.__version__}
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:
@@ -306,42 +412,3 @@ def _field_error(fn: Callable[[], T], param: str) -> T:
         return fn()
     except ValueError as e:
         raise APIError(400, f"{param}: {e}" if not str(e).startswith(param) else str(e), param) from None
-
-
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final: RequestOutput | None = None
-    try:
-        async for out in outputs:
-            final = out
-    except (ValueError, RequestFailedError, EngineDeadError) as e:
-        raise APIError(_status_of(e), str(e)) from None
-    assert final is not None and final.finished
-    return final
-
-
-def _status_of(error: Exception) -> int:
-    """ValueError: the engine refused the request (400); the engine failed it (500) or is gone (503)."""
-    if isinstance(error, EngineDeadError):
-        return 503
-    return 500 if isinstance(error, RequestFailedError) else 400
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[RequestOutput]) -> RequestOutput | None:
-    """Await `work`, or cancel it (aborting the request) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def client_left() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_left())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task in done:
-        return task.result()
-    logger.info("client disconnected; request aborted")
-    return None

@@ -123,6 +123,56 @@ def test_chat_through_the_proxy_equals_a_single_instance(cluster: LocalCluster, 
     assert via_proxy["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
 
 
+def _tail(n_prompt: int) -> int:
+    """Prompt tokens a sibling choice computes after a full prefix hit (1 to BLOCK_SIZE)."""
+    return n_prompt - (n_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_of_a_prompt_list_through_the_proxy_compute_each_prompt_once_on_p(
+        cluster: LocalCluster, single: ServeProcess, stream: bool) -> None:
+    import json
+
+    (p,), (d,) = cluster.prefill, cluster.decode
+    offset = 100 if stream else 0  # fresh prompts: nothing of them is in any prefix cache yet
+    lengths = [20, 37]
+    prompts = [" ".join(f"t{offset + start + i}" for i in range(n))
+               for start, n in zip((10, 40), lengths, strict=True)]
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "seed": 3, "max_tokens": 4, "temperature": 1.0,
+            "ignore_eos": True}
+    before_p, before_d = metrics(p.url), metrics(d.url)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+        response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        texts = {i: "" for i in range(4)}
+        for event in events[:-1]:
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["text"]
+        got, usage = [texts[i] for i in range(4)], events[-1]["usage"]
+    else:
+        answer = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60).json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+        got, usage = [c["text"] for c in answer["choices"]], answer["usage"]
+    alone = httpx.post(single.url + "/v1/completions", json={**body, "stream": False, "stream_options": None},
+                       timeout=60).json()
+    assert got == [c["text"] for c in alone["choices"]]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (57, 16)
+    after_p, after_d = metrics(p.url), metrics(d.url)
+
+    def grew(after: dict[str, float], before: dict[str, float], name: str) -> float:
+        return after[f"kvrelay_{name}_total"] - before[f"kvrelay_{name}_total"]
+    # P computed each prompt exactly once (one sample per prompt, whatever n is).
+    assert grew(after_p, before_p, "prompt_tokens_computed") == sum(lengths)
+    # D loaded each prompt once (all but the last token); choice 0 computes that last token and
+    # choice 1 finds the loaded full blocks in D's prefix cache and computes only its tail.
+    assert grew(after_d, before_d, "prompt_tokens_external") == sum(n - 1 for n in lengths)
+    assert grew(after_d, before_d, "prompt_tokens_computed") == sum(1 + _tail(n) for n in lengths)
+    assert grew(after_d, before_d, "generation_tokens") == 16
+    assert wait_for_blocks_freed([p.url, d.url]) == {p.url: 0, d.url: 0}
+
+
 def test_proxy_with_prefill_down_answers_via_fallback(cluster: LocalCluster, single: ServeProcess) -> None:
     (d,) = cluster.decode
     prompt = "t201 t202 t203 t204 t205 t206 t207 t208 t209 t210 t211 t212 t213 t214 t215 t216 t217 t218"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
 import pytest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.disagg.backends import BackendPool
@@ -253,3 +256,93 @@ def test_metrics_are_prometheus_text_counting_legs() -> None:
         assert metric(url, 'kvrelay_proxy_legs_total', leg="prefill") == 2
         assert metric(url, "kvrelay_proxy_fallbacks_total") == 0
         assert metric(url, "kvrelay_proxy_prefill_seconds_count") == 2
+
+
+# ----------------------------------------------------------------------------------- n and prompt lists
+class CompletionBackend(FakeBackend):
+    """A D answering /v1/completions as kvrelay would: n choices per prompt, usage, SSE chunks."""
+
+    async def _answer(self, body: dict[str, Any]) -> Response:
+        if self.mode == "bad_request" and body["prompt"] == "bad":
+            return JSONResponse({"error": {"message": "no", "type": "BadRequestError", "param": "prompt",
+                                           "code": 400}}, status_code=400)
+        n, prompt = body.get("n", 1), body["prompt"]
+        usage = {"prompt_tokens": len(str(prompt)), "completion_tokens": 2 * n,
+                 "total_tokens": len(str(prompt)) + 2 * n, "prompt_tokens_details": {"cached_tokens": 1}}
+        rid = f"cmpl-{body['request_id']}"
+        if not body.get("stream"):
+            return JSONResponse({"id": rid, "object": "text_completion", "usage": usage,
+                                 "choices": [{"index": j, "text": f"{prompt}/{j}"} for j in range(n)],
+                                 "kv_transfer_params": None})
+
+        async def events() -> AsyncIterator[bytes]:
+            for j in range(n):
+                for piece in (f"{prompt}", f"/{j}"):
+                    chunk = {"id": rid, "choices": [{"index": j, "text": piece}], "usage": None}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    await asyncio.sleep(0.01)
+            yield f"data: {json.dumps({'id': rid, 'choices': [], 'usage': usage})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def test_n_above_one_asks_p_for_one_sample_and_d_for_n() -> None:
+    p, d = FakeBackend("P"), FakeBackend("D")
+    with cluster([p], [d]) as url:
+        httpx.post(url + "/v1/chat/completions", json={**CHAT_BODY, "n": 3, "best_of": 3})
+    assert p.requests[0]["n"] == 1 and "best_of" not in p.requests[0]
+    assert d.requests[0]["n"] == 3 and d.requests[0]["best_of"] == 3
+
+
+def test_a_prompt_list_is_one_request_per_prompt_on_both_legs_merged_in_order() -> None:
+    p, d = FakeBackend("P"), CompletionBackend("D")
+    body = {"model": "fake-model", "prompt": ["aa", "bbb", "c"], "n": 2, "max_tokens": 5}
+    with cluster([p], [d]) as url:
+        response = httpx.post(url + "/v1/completions", json=body)
+    assert response.status_code == 200
+    assert sorted(leg["prompt"] for leg in p.requests) == ["aa", "bbb", "c"]
+    assert all(leg["max_tokens"] == 1 and leg["n"] == 1 for leg in p.requests)
+    for leg in d.requests:  # each prompt's D leg carries that prompt's own kv_transfer_params
+        assert leg["kv_transfer_params"]["remote_request_id"] == leg["request_id"]
+        assert leg["n"] == 2 and isinstance(leg["prompt"], str)
+    assert len({leg["request_id"] for leg in d.requests}) == 3
+    answer = response.json()
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == [
+        (0, "aa/0"), (1, "aa/1"), (2, "bbb/0"), (3, "bbb/1"), (4, "c/0"), (5, "c/1")]
+    assert answer["usage"] == {"prompt_tokens": 6, "completion_tokens": 12, "total_tokens": 18,
+                               "prompt_tokens_details": {"cached_tokens": 3}}
+    assert answer["id"] == f"cmpl-{response.headers['x-request-id']}" and answer["kv_transfer_params"] is None
+
+
+def test_a_streamed_prompt_list_interleaves_renumbered_chunks_and_ends_once() -> None:
+    p, d = FakeBackend("P"), CompletionBackend("D")
+    body = {"model": "fake-model", "prompt": [[1, 2], [3]], "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with cluster([p], [d]) as url:
+        response = httpx.post(url + "/v1/completions", json=body)
+    events = sse_contents(response.text)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        assert chunk["id"] == chunks[0]["id"]
+    assert texts == {0: "[1, 2]/0", 1: "[1, 2]/1", 2: "[3]/0", 3: "[3]/1"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-1]["usage"]["prompt_tokens"] == len("[1, 2]") + len("[3]")
+
+
+def test_one_prompt_refused_by_d_answers_the_whole_list_with_that_error() -> None:
+    p, d = FakeBackend("P"), CompletionBackend("D", mode="bad_request")
+    with cluster([p], [d]) as url:
+        response = httpx.post(url + "/v1/completions", json={"prompt": ["ok", "bad"], "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+def test_a_single_prompt_list_and_token_ids_go_through_unsplit() -> None:
+    p, d = FakeBackend("P"), CompletionBackend("D")
+    with cluster([p], [d]) as url:
+        httpx.post(url + "/v1/completions", json={"prompt": ["only"]})
+        httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7]})
+    assert [leg["prompt"] for leg in d.requests] == [["only"], [5, 6, 7]]
