@@ -72,16 +72,6 @@ def _proof(secret: bytes, role: bytes, first_nonce: bytes, second_nonce: bytes) 
     return hmac.new(secret, role + first_nonce + second_nonce, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket; a peer that closes early is a ConnectionError."""
-    received, size = 0, len(view)
-    while received < size:
-        n = sock.recv_into(view[received:], size - received, socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError(f"peer closed the connection after {received} of {size} bytes")
-        received += n
-
-
 def _consume(views: list[memoryview], first: int, num_bytes: int) -> int:
     """Account for `num_bytes` moved from the front of views[first:]: returns the index of the
     first view with bytes left, trimmed in place to what is left of it."""
@@ -120,7 +110,7 @@ def _recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
 
 def _recv_bytes(sock: socket.socket, size: int) -> bytes:
     buf = bytearray(size)
-    _recv_exact(sock, memoryview(buf))
+    _recv_views(sock, [memoryview(buf)])
     return bytes(buf)
 
 
