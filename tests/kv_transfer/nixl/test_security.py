@@ -161,6 +161,22 @@ def test_checksum_sees_any_changed_word_and_swapped_blocks() -> None:
     assert security.block_digests(kv, [3, 1]) != [sums[0], sums[2]]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checksum_is_the_wrapping_sum_of_each_blocks_words_folded_over_layers(dtype: str) -> None:
+    import torch
+
+    kv = [(torch.randn(6, 2, 2, 4, 16) * 1e9).to(getattr(torch, dtype)) for _ in range(3)]
+    block_ids = [4, 0, 1, 2, 5]  # runs [4], [0, 1, 2], [5]
+    expected = []
+    for b in block_ids:
+        digest = 0
+        for layer in kv:
+            words = layer[b].contiguous().view(-1).view(torch.uint8).view(torch.int64).tolist()
+            digest = (digest * 1000003 + sum(words)) % 2**64
+        expected.append(digest - 2**64 if digest >= 2**63 else digest)
+    assert security.block_digests(kv, block_ids) == expected
+
+
 # ---------------------------------------------------------------- end to end
 
 

@@ -1,18 +1,28 @@
 """The TCP backend's own promises: a dead or stalled peer ends a read in ERROR within the
-timeout, the shared secret gates the data port, adjacent blocks travel as one slice."""
+timeout, the shared secret gates the data port, adjacent blocks travel as one slice, a read moves
+in a few vectored calls that survive partial progress, and P refuses malformed requests."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import struct
 import threading
 import time
 
 import pytest
+import torch
 
-from kvrelay.kv_transfer.transport import TransferState, create_transport
+from kvrelay.kv_transfer.transport import TransferState, create_transport, tcp
 from kvrelay.kv_transfer.transport.tcp import _HELLO, _READ, _STATUS, _paired_runs, _runs
-from tests.kv_transfer.transport.helpers import finish, kv_caches, make_pair
+from tests.kv_transfer.transport.helpers import (
+    NUM_BLOCKS,
+    collect_notifications,
+    finish,
+    kv_caches,
+    make_pair,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +44,10 @@ class FakeOwner:
             sock.sendall(_HELLO.pack(b"KVR1", False, bytes(16)))
             _, num_ids, notification_len = _READ.unpack(sock.recv(_READ.size, socket.MSG_WAITALL))
             sock.recv(4 * num_ids + notification_len, socket.MSG_WAITALL)
-            sock.sendall(_STATUS.pack(0, 0) + bytes(100))  # far less than a block
+            if self.behaviour == "huge error":
+                sock.sendall(_STATUS.pack(1, 1 << 30))  # announces a 1 GiB reason
+            else:
+                sock.sendall(_STATUS.pack(0, 0) + bytes(100))  # far less than a block
             if self.behaviour == "stall":
                 self.done.wait(30)
         self.listener.close()
@@ -147,3 +160,243 @@ def test_reading_from_a_killed_owner_process_ends_in_error():
         d.close()
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_peer_announcing_a_huge_error_message_fails_the_read_without_reading_it():
+    owner, d = connect_to_fake("huge error", timeout_s=1.0)
+    try:
+        handle = d.read_blocks("engine-p", [0], [1], b"req:1")
+        assert finish(handle) == TransferState.ERROR
+        assert "1073741824-byte error message" in handle.error
+    finally:
+        owner.done.set()
+        d.close()
+        owner.thread.join(5)
+
+
+# --- vectored sends and receives -------------------------------------------------------------
+
+class TrickleSocket:
+    """Moves at most `step` bytes a call, like a socket that a timeout or a signal keeps
+    cutting short; records how many buffers each call was handed."""
+
+    def __init__(self, step: int, payload: bytes = b"") -> None:
+        self.step, self.payload, self.sent = step, payload, bytearray()
+        self.buffers_per_call: list[int] = []
+
+    def sendmsg(self, buffers) -> int:
+        self.buffers_per_call.append(len(buffers))
+        out = b"".join(bytes(b) for b in buffers)[:self.step]
+        self.sent += out
+        return len(out)
+
+    def recvmsg_into(self, buffers, ancbufsize, flags):
+        assert flags & socket.MSG_WAITALL
+        self.buffers_per_call.append(len(buffers))
+        chunk, offset = self.payload[:self.step], 0
+        for buffer in buffers:
+            n = min(len(buffer), len(chunk) - offset)
+            buffer[:n] = chunk[offset:offset + n]
+            offset += n
+        self.payload = self.payload[offset:]
+        return offset, [], 0, None
+
+
+def split_views(buffer: bytearray, sizes: list[int]) -> list[memoryview]:
+    view, views, offset = memoryview(buffer), [], 0
+    for size in sizes:
+        views.append(view[offset:offset + size])
+        offset += size
+    return views
+
+
+SIZES = [5, 0, 13, 1, 8, 0, 21, 3]  # empty slices included: they must not stall the loop
+
+
+@pytest.mark.parametrize("step", [1, 4, 7, 1000])
+def test_vectored_send_survives_partial_sends_and_keeps_the_byte_order(monkeypatch, step):
+    monkeypatch.setattr(tcp, "_IOV_MAX", 3)
+    payload = bytearray(range(sum(SIZES)))
+    sock = TrickleSocket(step)
+    tcp._send_views(sock, split_views(payload, SIZES))  # type: ignore[arg-type]
+    assert bytes(sock.sent) == bytes(payload)
+    assert max(sock.buffers_per_call) <= 3
+
+
+@pytest.mark.parametrize("step", [1, 4, 7, 1000])
+def test_vectored_receive_survives_partial_reads_and_fills_every_view(monkeypatch, step):
+    monkeypatch.setattr(tcp, "_IOV_MAX", 3)
+    payload = bytes(range(sum(SIZES)))
+    target = bytearray(len(payload))
+    sock = TrickleSocket(step, payload)
+    tcp._recv_views(sock, split_views(target, SIZES))  # type: ignore[arg-type]
+    assert bytes(target) == payload
+    assert max(sock.buffers_per_call) <= 3
+
+
+def test_vectored_receive_from_a_peer_that_closes_early_says_how_far_it_got():
+    sock = TrickleSocket(4, bytes(10))  # 10 of the 50 bytes, then end of stream
+    with pytest.raises(ConnectionError, match="after 10 of 50 bytes"):
+        tcp._recv_views(sock, split_views(bytearray(50), [20, 30]))  # type: ignore[arg-type]
+
+
+def test_a_scattered_read_over_more_slices_than_one_call_takes_lands_in_the_right_blocks(monkeypatch):
+    monkeypatch.setattr(tcp, "_IOV_MAX", 4)  # 3 layers x 5 runs = 15 slices: several calls each way
+    p, d, p_kv, d_kv = make_pair("tcp")
+    try:
+        remote_block_ids = [9, 0, 1, 5, 3, 4, 11]
+        local_block_ids = [2, 3, 4, 0, 7, 8, 10]  # 3 4 pairs with 0 1, 7 8 with 3 4
+        assert len(_paired_runs(local_block_ids, remote_block_ids)) == 5
+        handle = d.read_blocks("engine-p", local_block_ids, remote_block_ids, b"req:1")
+        assert finish(handle) == TransferState.DONE
+        for name in p_kv:
+            assert torch.equal(d_kv[name][local_block_ids], p_kv[name][remote_block_ids])
+        assert collect_notifications(p, 1) == [b"req:1"]
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_whole_read_takes_one_vectored_call_each_way(monkeypatch):
+    calls = {"_send_views": 0, "_recv_views": 0}  # calls that move block bytes, not headers
+
+    def counting(name):
+        real = getattr(tcp, name)
+
+        def counted(sock, views):
+            calls[name] += sum(len(v) for v in views) > 64
+            return real(sock, views)
+        return counted
+    for name in calls:
+        monkeypatch.setattr(tcp, name, counting(name))
+    p, d, _, _ = make_pair("tcp")
+    try:
+        handle = d.read_blocks("engine-p", list(range(6)), [5, 6, 7, 0, 1, 2], b"req:1")
+        assert finish(handle) == TransferState.DONE
+        assert calls == {"_send_views": 1, "_recv_views": 1}
+    finally:
+        d.close()
+        p.close()
+
+
+# --- P's data port against a reader that misbehaves --------------------------------------------
+
+def raw_reader(p) -> socket.socket:
+    """A connection to P's data port that has read the hello (P has no secret)."""
+    sock = socket.create_connection(p.address, timeout=5)
+    hello = sock.recv(_HELLO.size, socket.MSG_WAITALL)
+    assert _HELLO.unpack(hello)[:2] == (b"KVR1", False)
+    return sock
+
+
+def send_read(sock: socket.socket, block_ids: list[int], notification: bytes,
+              num_ids: int | None = None) -> None:
+    count = len(block_ids) if num_ids is None else num_ids
+    sock.sendall(_READ.pack(b"READ", count, len(notification))
+                 + struct.pack(f"!{len(block_ids)}I", *block_ids) + notification)
+
+
+def hung_up(sock: socket.socket) -> bool:
+    """Whether P closed the connection (a reset, when P left part of the request unread)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def read_refusal(sock: socket.socket) -> str:
+    status, message_len = _STATUS.unpack(sock.recv(_STATUS.size, socket.MSG_WAITALL))
+    assert status == 1
+    return sock.recv(message_len, socket.MSG_WAITALL).decode()
+
+
+@pytest.fixture
+def owner():
+    threads_before = set(threading.enumerate())
+    p = create_transport("tcp", "engine-p")
+    p_kv = kv_caches(seed=1)
+    p.register_kv_caches(p_kv)
+    yield p, p_kv
+    p.close()
+    leftover = [t for t in threading.enumerate() if t not in threads_before]
+    assert not leftover, f"threads left after close(): {leftover}"
+
+
+def test_out_of_range_ids_are_refused_and_the_connection_still_serves(owner):
+    p, p_kv = owner
+    block_bytes = p_kv[next(iter(p_kv))][0].numel() * 4
+    with raw_reader(p) as sock:
+        send_read(sock, [0, NUM_BLOCKS + 7], b"bad:1")
+        expected = f"block ids [{NUM_BLOCKS + 7}] are outside the pool of {NUM_BLOCKS} blocks"
+        assert read_refusal(sock) == expected
+        send_read(sock, [3], b"good:1")
+        assert _STATUS.unpack(sock.recv(_STATUS.size, socket.MSG_WAITALL)) == (0, 0)
+        received = bytearray(len(p_kv) * block_bytes)
+        tcp._recv_views(sock, [memoryview(received)])
+        expected = b"".join(kv[3].numpy().tobytes() for kv in p_kv.values())
+        assert bytes(received) == expected
+        sock.sendall(b"A")
+        assert collect_notifications(p, 1) == [b"good:1"]
+
+
+@pytest.mark.parametrize("num_ids, notification, expected", [
+    (NUM_BLOCKS + 1, b"r:1", f"a read of {NUM_BLOCKS + 1} blocks is more than the whole pool of "
+                             f"{NUM_BLOCKS}"),
+    (2**32 - 1, b"r:1", "a read of 4294967295 blocks"),
+    (1, b"x" * (tcp._MAX_NOTIFICATION_BYTES + 1), "over the limit of 65536"),
+])
+def test_an_oversize_request_is_refused_before_its_body_is_read_and_the_connection_closed(
+        owner, num_ids, notification, expected):
+    p, _ = owner
+    with raw_reader(p) as sock:
+        send_read(sock, [0], notification, num_ids=num_ids)
+        assert expected in read_refusal(sock)
+        assert hung_up(sock)  # the rest of the stream cannot be parsed
+    assert p.get_notifications() == []
+
+
+def test_a_request_with_a_bad_magic_closes_the_connection(owner):
+    p, _ = owner
+    with raw_reader(p) as sock:
+        sock.sendall(_READ.pack(b"EVIL", 1, 3) + struct.pack("!I", 0) + b"r:1")
+        assert hung_up(sock)
+
+
+def test_reads_before_the_kv_caches_are_registered_are_refused():
+    p = create_transport("tcp", "engine-p")
+    try:
+        with raw_reader(p) as sock:
+            send_read(sock, [], b"r:1")
+            assert read_refusal(sock) == "this engine has registered no KV caches yet"
+        assert p.get_notifications() == []
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("hang_up_after", ["status", "some blocks", "all blocks"])
+def test_a_reader_that_hangs_up_mid_transfer_gets_no_notification_and_p_serves_on(hang_up_after):
+    p = create_transport("tcp", "engine-p")
+    p_kv = kv_caches(seed=1, num_blocks=256)  # 1.5 MB: more than the socket buffers hold
+    p.register_kv_caches(p_kv)
+    try:
+        with raw_reader(p) as sock:
+            send_read(sock, list(range(256)), b"quitter:1")
+            sock.recv(_STATUS.size, socket.MSG_WAITALL)
+            if hang_up_after == "some blocks":
+                sock.recv(4096, socket.MSG_WAITALL)
+            elif hang_up_after == "all blocks":
+                total = sum(kv.numel() * kv.element_size() for kv in p_kv.values())
+                tcp._recv_views(sock, [memoryview(bytearray(total))])
+        # NOTE: P's serving thread ends once its send (or its wait for the ACK) fails
+        wait_for(lambda: not p._server._connections, what="P to drop the connection")
+        d = create_transport("tcp", "engine-d")
+        try:
+            d_kv = kv_caches(seed=2, num_blocks=256)
+            d.register_kv_caches(d_kv)
+            d.add_remote("engine-p", p.agent_metadata(), p.layout)
+            assert finish(d.read_blocks("engine-p", [0, 1], [8, 9], b"stayer:1")) == TransferState.DONE
+            assert collect_notifications(p, 1) == [b"stayer:1"]
+        finally:
+            d.close()
+    finally:
+        p.close()
