@@ -40,7 +40,7 @@ from pathlib import Path
 import plotting  # benchmarks/plotting.py, beside this script
 import torch
 
-from kvrelay.engine.llm_engine import _IDLE_STEP_SLEEP_S
+from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
 from kvrelay.kv_transfer.base import KVCacheSpec
 from kvrelay.kv_transfer.config import KVTransferConfig
 from kvrelay.kv_transfer.connectors import security
@@ -204,7 +204,7 @@ class ConnectorPair:
     the descriptors prepared at the handshake, verifies the digests, and reports the request in
     finished_recving; P's worker takes the notification and ends the lease. Both workers are
     polled from this thread (get_finished), as each engine's step loop would: an engine whose
-    only work is transfers in flight sleeps `_IDLE_STEP_SLEEP_S` after each empty step, so this
+    only work is transfers in flight sleeps `IDLE_STEP_SLEEP_S` after each empty step, so this
     loop does too (a loop that spins would take a core from the transfer's own threads, which
     no engine does).
     """
@@ -250,7 +250,7 @@ class ConnectorPair:
                 break
             if received.failed_recving or received.invalid_block_ids:
                 raise RuntimeError(f"the connector's pull failed ({received.stats}); see the log above")
-            time.sleep(_IDLE_STEP_SLEEP_S)
+            time.sleep(IDLE_STEP_SLEEP_S)
         elapsed = time.perf_counter() - start
         if received.invalid_block_ids:
             raise RuntimeError(f"blocks {sorted(received.invalid_block_ids)} failed their checksum")

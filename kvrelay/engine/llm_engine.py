@@ -23,7 +23,7 @@ from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
-_IDLE_STEP_SLEEP_S = 0.0005
+IDLE_STEP_SLEEP_S = 0.0005
 
 
 class LLMEngine:
@@ -156,7 +156,7 @@ class LLMEngine:
         if sched_out.is_empty and not outputs:
             # NOTE: nothing ran: only transfers are in flight. Yield the GIL (and the core) to
             # the connector's threads instead of spinning, or a loop of empty steps starves them.
-            time.sleep(_IDLE_STEP_SLEEP_S)
+            time.sleep(IDLE_STEP_SLEEP_S)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
