@@ -86,26 +86,35 @@ def simulate_distserve(arrivals_ms: Sequence[float], lengths: Sequence[tuple[int
     for r in reqs:
         heapq.heappush(events, (r.arrival_ms, next(seq), "arrive", [r]))
     while events:
-        now, _, kind, batch = heapq.heappop(events)
-        if kind == "arrive":
-            p_queue.extend(batch)
-        elif kind == "prefill":
-            busy["prefill"] = False
-            for r in batch:
-                r.prefill_done_ms = now
-            d_queue.extend(batch)
-        else:
-            busy["decode"] = False
-            for r in batch:
-                r.counter += 1
-                if r.counter >= r.output_len:
-                    r.finish_ms = now
-                else:
-                    d_queue.append(r)
+        now = events[0][0]
+        # NOTE: every event of one instant lands before any batch forms, so requests arriving
+        # together can share a batch (independent of the order the heap yields them in).
+        while events and events[0][0] == now:
+            _, _, kind, batch = heapq.heappop(events)
+            _apply(kind, batch, now, p_queue, d_queue, busy)
         start_prefill(now)
         start_decode(now)
     return DistServeRun([r.prefill_done_ms - r.arrival_ms for r in reqs],
                         [(r.finish_ms - r.prefill_done_ms) / r.output_len for r in reqs])
+
+
+def _apply(kind: str, batch: list[_Req], now: float, p_queue: deque[_Req], d_queue: deque[_Req],
+           busy: dict[str, bool]) -> None:
+    if kind == "arrive":
+        p_queue.extend(batch)
+    elif kind == "prefill":
+        busy["prefill"] = False
+        for r in batch:
+            r.prefill_done_ms = now
+        d_queue.extend(batch)
+    else:
+        busy["decode"] = False
+        for r in batch:
+            r.counter += 1
+            if r.counter >= r.output_len:
+                r.finish_ms = now
+            else:
+                d_queue.append(r)
 
 
 @dataclass(frozen=True)

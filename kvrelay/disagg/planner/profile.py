@@ -188,6 +188,8 @@ def profile_from_json(obj: Any, where: str = "profile") -> Profile:
         if key not in obj:
             raise ValueError(f"{where} lacks the field {key!r}")
     engine = _number_dict(obj["engine"], _ENGINE_KEYS, f"{where}: engine")
+    if isinstance(obj["engine"].get("max_model_len"), int):
+        engine["max_model_len"] = obj["engine"]["max_model_len"]
     fits = {name: StepFit(**_number_dict(obj[name], _FIT_KEYS, f"{where}: {name}"))
             for name in ("prefill", "decode")}
     transfer = {name: TransferFit(**_number_dict(fit, ("latency_ms", "ms_per_mib"), f"{where}: transfer.{name}"))
