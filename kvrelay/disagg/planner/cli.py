@@ -24,7 +24,8 @@ def _ints(text: str) -> tuple[int, ...]:
 def _add_profile_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure this instance's latency model into a JSON profile")
     p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+                   help="a .gguf file or a Hugging Face directory "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads, as the instance will run")
@@ -39,12 +40,15 @@ def _add_profile_parser(sub: Any) -> None:
     p.add_argument("--decode-batch", type=_ints, default=None, help="decode batch sizes, e.g. 1,8,32")
     p.add_argument("--decode-context", type=_ints, default=None, help="context per sequence, e.g. 64,1024")
     p.add_argument("--transfer-tokens", type=_ints, default=None, help="KV transfer sizes in tokens")
-    p.add_argument("--backends", default=None, help="transfer backends to time (default: tcp, and nixl if importable)")
+    p.add_argument("--backends", default=None,
+                   help="transfer backends to time (default: tcp, and nixl if importable)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per case (median / best taken)")
-    p.add_argument("--max-seconds", type=float, default=600.0, help="stop sampling after this long (default 600)")
+    p.add_argument("--max-seconds", type=float, default=600.0,
+                   help="stop sampling after this long (default 600)")
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
                    help="fixed per-request cost outside engine steps (HTTP, tokenizing) to record")
-    p.add_argument("--pd-hop-ms", type=float, default=0.0, help="the proxy's extra hop between P and D to record")
+    p.add_argument("--pd-hop-ms", type=float, default=0.0,
+                   help="the proxy's extra hop between P and D to record")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_profile)
 
@@ -96,12 +100,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="simulate colocated and xPyD clusters: goodput and the P:D split")
     p.add_argument("--profile", required=True, help="a kvrelay profile, or DistServe's profile JSON")
-    p.add_argument("--pd-profile", default=None, help="profile for the P and D instances (default: --profile)")
+    p.add_argument("--pd-profile", default=None,
+                   help="profile for the P and D instances (default: --profile)")
     p.add_argument("--model", default=None, help="the model inside a DistServe profile")
     p.add_argument("--tp", type=int, default=1, help="DistServe profile: tensor parallel size of an instance")
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=None, help="Mooncake JSONL trace (default: a synthetic Poisson workload)")
-    w.add_argument("--num-requests", type=int, default=None, help="first N requests of the trace (synthetic: 200)")
+    w.add_argument("--trace", default=None,
+                   help="Mooncake JSONL trace (default: a synthetic Poisson workload)")
+    w.add_argument("--num-requests", type=int, default=None,
+                   help="first N requests of the trace (synthetic: 200)")
     w.add_argument("--arrivals", choices=("scaled", "poisson"), default=None,
                    help="re-rating: scale the trace's timestamps (default for a trace) or fresh Poisson gaps")
     w.add_argument("--input-len", default="512", help="synthetic prompt lengths: N, A-B or exp:MEAN")
@@ -125,8 +132,10 @@ def _add_plan_parser(sub: Any) -> None:
     m.add_argument("--no-prefix-cache", action="store_true", help="ignore the trace's shared prefixes")
     m.add_argument("--max-num-batched-tokens", type=int, default=None)
     m.add_argument("--max-num-seqs", type=int, default=None)
-    m.add_argument("--backend", default=None, help="transfer backend in the profile (default: nixl, else tcp)")
-    m.add_argument("--link-bandwidth", type=float, default=None, help="P->D link GB/s (overrides the profile)")
+    m.add_argument("--backend", default=None,
+                   help="transfer backend in the profile (default: nixl, else tcp)")
+    m.add_argument("--link-bandwidth", type=float, default=None,
+                   help="P->D link GB/s (overrides the profile)")
     m.add_argument("--link-scope", default="per-prefill", help="per-prefill (default), per-pair or shared")
     o = p.add_argument_group("output")
     o.add_argument("--plot", default=None, help="write the attainment-vs-rate plot here (needs matplotlib)")
@@ -141,14 +150,21 @@ def load_workload(args: argparse.Namespace) -> Any:
         if args.no_prefix_cache:
             workload = workload.without_prefixes()
         return workload
-    return synthetic_workload(args.num_requests or 200, args.rate or 1.0, args.input_len, args.output_len, args.seed)
+    return synthetic_workload(args.num_requests or 200, args.rate or 1.0, args.input_len, args.output_len,
+                              args.seed)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     workload = load_workload(args)
     if args.latency_model == "distserve":
         return _plan_distserve(args, workload)
-    from kvrelay.disagg.planner.plan import check_profiles, plot_attainment, print_report, run_plan, shapes_for
+    from kvrelay.disagg.planner.plan import (
+        check_profiles,
+        plot_attainment,
+        print_report,
+        run_plan,
+        shapes_for,
+    )
     from kvrelay.disagg.planner.plan import write_json as write_plan_json
     from kvrelay.disagg.planner.profile import load_profile
     from kvrelay.disagg.planner.search import GoodputSearch, SearchOptions
@@ -161,7 +177,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pd_profile = load_profile(args.pd_profile, **engine_args) if args.pd_profile else None  # type: ignore[arg-type]
     check_profiles(profile, pd_profile)
     slo = SLO(args.ttft_slo, args.tpot_slo, args.percentile)
-    sim = SimOptions(prefix_cache=not args.no_prefix_cache, max_num_batched_tokens=args.max_num_batched_tokens,
+    sim = SimOptions(prefix_cache=not args.no_prefix_cache,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, backend=args.backend,
                      link_bandwidth_gbs=args.link_bandwidth, link_scope=args.link_scope)
     arrivals = args.arrivals or ("scaled" if args.trace else "poisson")
@@ -171,7 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shapes = shapes_for(args.max_instances, args.only, args.configs)
     report = run_plan(search, shapes, args.rate)
     print_report(report, f"plan: {profile.model} ({profile.source}), workload {workload.name}: "
-                         f"{len(workload.requests)} requests, prefix reuse {'off' if args.no_prefix_cache else 'on'}")
+                         f"{len(workload.requests)} requests, "
+                         f"prefix reuse {'off' if args.no_prefix_cache else 'on'}")
     if args.json_out:
         write_plan_json(report, args.json_out)
     if args.plot:

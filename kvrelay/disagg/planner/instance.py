@@ -132,9 +132,10 @@ class Instance:
             hit = self.pool.match(req.spec.hash_ids, req.num_tokens - 1)
             hit_tokens = len(hit) * self.pool.chunk_tokens
             target = req.num_tokens if req.remote else hit_tokens + min(req.num_tokens - hit_tokens, budget)
+            self.pool.acquire(hit)  # before allocating, so the allocation cannot evict the hit
             if not self.pool.allocate(self.pool.blocks_for(target) - len(hit) * self.pool.chunk_blocks):
+                self.pool.release(hit)
                 return None
-            self.pool.acquire(hit)
             req.chunks, req.hit_tokens = hit, hit_tokens
             req.private_blocks = self.pool.blocks_for(target) - len(hit) * self.pool.chunk_blocks
             req.num_computed = hit_tokens
@@ -151,7 +152,8 @@ class Instance:
 
     def _grow(self, req: SimRequest, num_tokens: int) -> bool:
         """Hold blocks for `num_tokens` tokens of `req`; False (nothing changed) if out of blocks."""
-        needed = self.pool.blocks_for(num_tokens) - len(req.chunks) * self.pool.chunk_blocks - req.private_blocks
+        held = len(req.chunks) * self.pool.chunk_blocks + req.private_blocks
+        needed = self.pool.blocks_for(num_tokens) - held
         if needed <= 0:
             return True
         if not self.pool.allocate(needed):

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.disagg.planner.distserve import DistServeConfig, DistServeSLO, distserve_goodput
-from kvrelay.disagg.planner.profile import Profile, distserve_coeffs, distserve_max_tokens, is_distserve_format
+from kvrelay.disagg.planner.profile import (
+    Profile,
+    distserve_coeffs,
+    distserve_max_tokens,
+    is_distserve_format,
+)
 from kvrelay.disagg.planner.search import Goodput, GoodputSearch, cluster_shapes, smallest_meeting
 from kvrelay.disagg.planner.sim import SLO, ClusterSpec
 from kvrelay.disagg.planner.workload import Workload
@@ -88,7 +93,8 @@ def _unmeetable(search: GoodputSearch, results: list[Goodput]) -> str:
 def print_report(report: PlanReport, header: str) -> None:
     slo = report.slo
     print(header)
-    print(f"SLO: p{slo.percentile:g} TTFT <= {slo.ttft_s:g} s, p{slo.percentile:g} TPOT <= {slo.tpot_s * 1e3:g} ms")
+    pct = f"p{slo.percentile:g}"
+    print(f"SLO: {pct} TTFT <= {slo.ttft_s:g} s, {pct} TPOT <= {slo.tpot_s * 1e3:g} ms")
     print(f"\n  {'config':16}{'instances':>10}{'goodput':>12}{'/instance':>11}{'/GPU':>9}"
           f"{'prefix hit':>12}")
     for g in report.results:
@@ -108,7 +114,8 @@ def print_report(report: PlanReport, header: str) -> None:
     if report.needed:
         print(f"\nat {report.target_rate:.3g} req/s:")
         for kind, shape in report.needed.items():
-            answer = f"{shape.label} ({shape.num_instances} instances)" if shape else "more than the shapes tried"
+            answer = (f"{shape.label} ({shape.num_instances} instances)" if shape
+                      else "more than the shapes tried")
             print(f"  {kind:14} needs {answer}")
 
 
@@ -152,11 +159,13 @@ def run_distserve(profile_path: str, model: str | None, tps: list[int] | None, w
     path = Path(profile_path)
     obj = json.loads(path.read_text())
     if not is_distserve_format(obj):
-        raise ValueError(f"--latency-model distserve needs a profile in DistServe's format; {path} is not one")
+        raise ValueError(f"--latency-model distserve needs a profile in DistServe's format; "
+                         f"{path} is not one")
     if model is None and len(obj) == 1:
         model = next(iter(obj))
     if model is None or model not in obj:
-        raise ValueError(f"model {model!r} is not in profile {path}; it has: {', '.join(obj)} (choose with --model)")
+        raise ValueError(f"model {model!r} is not in profile {path}; it has: {', '.join(obj)} "
+                         "(choose with --model)")
     available = sorted(int(t) for t in obj[model])
     tps = tps or available
     missing = [t for t in tps if t not in available]

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, chunk_tokens: int, enable_prefix_cache: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, chunk_tokens: int,
+                 enable_prefix_cache: bool) -> None:
         if num_blocks < 1:
             raise ValueError(f"an instance needs at least one KV block, got {num_blocks}")
         self.num_blocks = num_blocks

@@ -78,7 +78,7 @@ class DistServeCoeffs:
     threshold: int = 95
 
 
-def kpairs(chunks: Sequence[tuple[int, int]]) -> float:
+def kpairs(chunks: Sequence[tuple[int, float]]) -> float:
     """Thousands of causal query-key pairs for chunks of (new tokens, tokens already cached)."""
     return sum(n * (c + (n + 1) / 2) for n, c in chunks) / 1000
 
@@ -139,7 +139,8 @@ class Profile:
         if self.distserve is not None:
             if chunks:  # a mixed step costs its prompt part plus one token per decode
                 lengths = [n for n, _ in chunks] + [1] * len(decode_contexts)
-                return distserve_prefill_ms(self.distserve, lengths) + _extra_prefix_ms(self.distserve, chunks)
+                extra = _extra_prefix_ms(self.distserve, chunks)
+                return distserve_prefill_ms(self.distserve, lengths) + extra
             return distserve_decode_ms(self.distserve, decode_contexts) if decode_contexts else 0.0
         assert self.prefill is not None and self.decode is not None
         pairs = kpairs([*chunks, *((1, c) for c in decode_contexts)])
@@ -157,7 +158,8 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         if self.distserve is not None:
-            raise ValueError("a profile read from DistServe's format is not written back as a kvrelay profile")
+            raise ValueError("a profile read from DistServe's format is not written back "
+                             "as a kvrelay profile")
         out = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
         out.update({k: v for k, v in asdict(self).items() if k not in ("distserve", "source")})
         return out
@@ -192,7 +194,8 @@ def profile_from_json(obj: Any, where: str = "profile") -> Profile:
         engine["max_model_len"] = obj["engine"]["max_model_len"]
     fits = {name: StepFit(**_number_dict(obj[name], _FIT_KEYS, f"{where}: {name}"))
             for name in ("prefill", "decode")}
-    transfer = {name: TransferFit(**_number_dict(fit, ("latency_ms", "ms_per_mib"), f"{where}: transfer.{name}"))
+    transfer = {name: TransferFit(**_number_dict(fit, ("latency_ms", "ms_per_mib"),
+                                                 f"{where}: transfer.{name}"))
                 for name, fit in (obj.get("transfer") or {}).items()}
     return Profile(model=str(obj["model"]), engine={k: int(v) for k, v in engine.items()},
                    prefill=fits["prefill"], decode=fits["decode"], transfer=transfer,
@@ -221,7 +224,8 @@ def is_distserve_format(obj: Any) -> bool:
         for v in obj.values())
 
 
-def distserve_coeffs(obj: dict[str, Any], model: str | None, tp: int, where: str) -> tuple[str, DistServeCoeffs]:
+def distserve_coeffs(obj: dict[str, Any], model: str | None, tp: int,
+                     where: str) -> tuple[str, DistServeCoeffs]:
     if model is None:
         if len(obj) != 1:
             raise ValueError(f"{where} holds several models ({', '.join(obj)}): choose one with --model")

@@ -207,7 +207,8 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
     def prefill_job(lens: list[int], prefix: int) -> Callable[[], None]:
         def job() -> None:
             ms = statistics.median(timer.prefill_ms(lens, prefix) for _ in range(grid.reps))
-            samples["prefill"].append({"batch_tokens": sum(lens), "num_seqs": len(lens), "prefix_tokens": prefix,
+            samples["prefill"].append({"batch_tokens": sum(lens), "num_seqs": len(lens),
+                                       "prefix_tokens": prefix,
                                        "kpairs": kpairs([(n, prefix) for n in lens]), "ms": ms})
         return job
 
@@ -268,7 +269,8 @@ def _build_profile(engine: Any, samples: dict[str, list[dict[str, Any]]], thread
                 "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                 "max_num_seqs": cfg.scheduler.max_num_seqs, "max_model_len": engine.max_model_len},
         prefill=prefill, decode=decode, transfer=transfer, dtype=cfg.model.dtype,
-        threads=threads or torch.get_num_threads(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        threads=threads or torch.get_num_threads(),
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         machine={"hostname": platform.node(), "cpus": _cpus(), "torch": torch.__version__,
                  "processor": platform.processor()},
         samples=samples)

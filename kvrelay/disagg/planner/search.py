@@ -14,6 +14,8 @@ from kvrelay.disagg.planner.profile import Profile
 from kvrelay.disagg.planner.sim import SLO, Attainment, ClusterSpec, SimOptions, attainment, simulate
 from kvrelay.disagg.planner.workload import Workload
 
+MAX_HALVINGS = 6  # below 1/64 of the first guess a cluster is reported as meeting no rate
+
 
 @dataclass(frozen=True)
 class SearchOptions:
@@ -50,10 +52,11 @@ class Goodput:
 
 
 class GoodputSearch:
-    def __init__(self, profile: Profile, workload: Workload, slo: SLO, sim: SimOptions = SimOptions(),
-                 search: SearchOptions = SearchOptions(), pd_profile: Profile | None = None) -> None:
+    def __init__(self, profile: Profile, workload: Workload, slo: SLO, sim: SimOptions | None = None,
+                 search: SearchOptions | None = None, pd_profile: Profile | None = None) -> None:
         self.profile, self.workload, self.slo = profile, workload, slo
-        self.sim, self.search, self.pd_profile = sim, search, pd_profile
+        self.sim, self.search = sim or SimOptions(), search or SearchOptions()
+        self.pd_profile = pd_profile
 
     def check(self, cluster: ClusterSpec, rate: float) -> Attainment:
         """Simulate the workload offered at `rate` req/s to `cluster`."""
@@ -81,10 +84,12 @@ class GoodputSearch:
                 out.goodput = hi
                 return out
             hi = min(opts.max_rate, hi * 2)
-        if lo == 0.0:  # the first guess failed: search downwards for a passing rate
-            while hi > opts.max_rate * 1e-6 and not passes(hi / 2):
+        if lo == 0.0:  # the first guess failed: search downwards, at most 2**-MAX_HALVINGS of it
+            floor = hi / 2**MAX_HALVINGS
+            while hi > floor and not passes(hi / 2):
                 hi /= 2
-            if hi <= opts.max_rate * 1e-6:
+            if hi <= floor:
+                out.points.sort(key=lambda p: p.rate)
                 return out
             lo, hi = hi / 2, hi
         while hi - lo > opts.tolerance * hi:
@@ -95,7 +100,8 @@ class GoodputSearch:
         return out
 
 
-def cluster_shapes(max_instances: int, colocated: bool = True, disaggregated: bool = True) -> list[ClusterSpec]:
+def cluster_shapes(max_instances: int, colocated: bool = True,
+                   disaggregated: bool = True) -> list[ClusterSpec]:
     """Colocated pools of 1..max and every xPyD with x + y <= max, smallest first."""
     if max_instances < 1:
         raise ValueError(f"--max-instances must be >= 1, got {max_instances}")
@@ -108,7 +114,8 @@ def cluster_shapes(max_instances: int, colocated: bool = True, disaggregated: bo
     return shapes
 
 
-def smallest_meeting(search: GoodputSearch, shapes: list[ClusterSpec], rate: float) -> dict[str, ClusterSpec | None]:
+def smallest_meeting(search: GoodputSearch, shapes: list[ClusterSpec],
+                     rate: float) -> dict[str, ClusterSpec | None]:
     """Per kind (colocated, disaggregated), the smallest cluster meeting the SLOs at `rate`."""
     found: dict[str, ClusterSpec | None] = {"colocated": None, "disaggregated": None}
     for shape in shapes:

@@ -110,8 +110,8 @@ class _Transfer:
 
 class ClusterSim:
     def __init__(self, cluster: ClusterSpec, profile: Profile, workload: Workload,
-                 options: SimOptions = SimOptions(), pd_profile: Profile | None = None) -> None:
-        self.cluster, self.options, self.workload = cluster, options, workload
+                 options: SimOptions | None = None, pd_profile: Profile | None = None) -> None:
+        self.cluster, self.options, self.workload = cluster, options or SimOptions(), workload
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
@@ -123,7 +123,8 @@ class ClusterSim:
         if cluster.disaggregated:
             prof = pd_profile or profile
             self.front = _Pool([make(f"P{i}", Role.PREFILL, prof) for i in range(cluster.num_prefill)])
-            self.back: _Pool | None = _Pool([make(f"D{i}", Role.DECODE, prof) for i in range(cluster.num_decode)])
+            self.back: _Pool | None = _Pool([make(f"D{i}", Role.DECODE, prof)
+                                             for i in range(cluster.num_decode)])
             self._transfer_ms = self._transfer_model(prof)
             self._pd_hop_s = prof.overhead_ms.get("pd_hop", 0.0) / 1e3
         else:
@@ -241,7 +242,9 @@ class ClusterSim:
 
     def _link_key(self, p_inst: Instance, d_inst: Instance) -> Any:
         scope = self.options.link_scope
-        return "all" if scope == "shared" else p_inst.name if scope == "per-prefill" else (p_inst.name, d_inst.name)
+        if scope == "shared":
+            return "all"
+        return p_inst.name if scope == "per-prefill" else (p_inst.name, d_inst.name)
 
     def _start_transfer(self, d_inst: Instance, d_req: SimRequest) -> None:
         transfer = self._transfers[id(d_req)]
@@ -263,7 +266,7 @@ class ClusterSim:
         self._kick(d_inst)
 
 
-def simulate(cluster: ClusterSpec, profile: Profile, workload: Workload, options: SimOptions = SimOptions(),
+def simulate(cluster: ClusterSpec, profile: Profile, workload: Workload, options: SimOptions | None = None,
              pd_profile: Profile | None = None) -> SimResult:
     return ClusterSim(cluster, profile, workload, options, pd_profile).run()
 

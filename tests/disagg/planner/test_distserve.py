@@ -12,7 +12,12 @@ from kvrelay.disagg.planner.distserve import (
     distserve_goodput,
     simulate_distserve,
 )
-from kvrelay.disagg.planner.profile import DistServeCoeffs, distserve_decode_ms, distserve_prefill_ms, load_profile
+from kvrelay.disagg.planner.profile import (
+    DistServeCoeffs,
+    distserve_decode_ms,
+    distserve_prefill_ms,
+    load_profile,
+)
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "distserve"
 DATA = DATA if DATA.is_dir() else Path("/work/shared/data/distserve")

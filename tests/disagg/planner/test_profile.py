@@ -57,8 +57,10 @@ def test_profile_a_tiny_model_with_the_quick_grid() -> None:
     from kvrelay import LLM
     from tests.tiny import tiny_loaded_model
 
-    llm = LLM(loaded_model=tiny_loaded_model(), block_size=16, kv_cache_memory="4MiB", max_num_batched_tokens=128)
-    profile = run_profile(llm.engine, QUICK_GRID, max_seconds=120, threads=1, backends=["tcp"], progress=False)
+    llm = LLM(loaded_model=tiny_loaded_model(), block_size=16, kv_cache_memory="4MiB",
+              max_num_batched_tokens=128)
+    profile = run_profile(llm.engine, QUICK_GRID, max_seconds=120, threads=1, backends=["tcp"],
+                          progress=False)
     assert {s["prefix_tokens"] for s in profile.samples["prefill"]} == {0, 16}
     assert {s["batch_size"] for s in profile.samples["decode"]} == {1, 4}
     assert profile.transfer["tcp"].ms_per_mib >= 0 and len(profile.samples["transfer"]) == 2

@@ -14,7 +14,7 @@ PD = ClusterSpec(num_prefill=1, num_decode=1)
 
 
 def run(cluster: ClusterSpec, requests: list[RequestSpec], profile=None, chunk: int = 512,
-        options: SimOptions = SimOptions()):  # type: ignore[no-untyped-def]
+        options: SimOptions | None = None):  # type: ignore[no-untyped-def]
     sim = ClusterSim(cluster, profile or hand_profile(), Workload(tuple(requests), hash_block_tokens=chunk),
                      options)
     result = sim.run()
