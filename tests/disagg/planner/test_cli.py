@@ -58,10 +58,12 @@ def test_plan_prints_goodput_split_and_instances_needed(hand_profile_path: str, 
     (lambda d: ["--profile", DISTSERVE, "--latency-model", "distserve", "--model", "facebook/opt-13b",
                 "--distserve-tp", "3"], "no entry for TP [3]"),
 ])
-def test_bad_input_is_a_clear_error(make_args, message: str, hand_profile_path: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_bad_input_is_a_clear_error(make_args, message: str,  # type: ignore[no-untyped-def]
+                                    hand_profile_path: str, tmp_path: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     files = {"hand": hand_profile_path, "empty": write_trace(tmp_path / "empty.jsonl", []),
-             "bad": write_trace(tmp_path / "bad.jsonl", [{"timestamp": 0, "input_length": 0, "output_length": 1}]),
+             "bad": write_trace(tmp_path / "bad.jsonl",
+                                [{"timestamp": 0, "input_length": 0, "output_length": 1}]),
              "notjson": str(tmp_path / "x.json")}
     (tmp_path / "x.json").write_text("{not json")
     rc = main(["plan", *make_args(files)])
