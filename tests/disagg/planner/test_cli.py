@@ -80,7 +80,8 @@ def test_error_exit_has_no_traceback(tmp_path: Path) -> None:
 
 def test_distserve_mode_runs_the_search(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["plan", "--profile", DISTSERVE, "--latency-model", "distserve", "--model", "facebook/opt-13b",
-               "--distserve-tp", "1", "--num-requests", "50", "--input-len", "100-400", "--output-len", "50-200",
+               "--distserve-tp", "1", "--num-requests", "50", "--input-len", "100-400",
+               "--output-len", "50-200",
                "--ttft-slo", "0.2", "--tpot-slo", "0.1", "--max-rate", "4"])
     text = capsys.readouterr().out
     assert rc == 0 and "best: tp_prefill=1, tp_decode=1" in text
