@@ -10,6 +10,7 @@ much as long prefills; a coefficient that comes out negative is dropped and the 
 
 from __future__ import annotations
 
+import itertools
 import platform
 import random
 import statistics
@@ -228,9 +229,11 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
 
     timer.prefill_ms([8], 0)  # warm-up (lazy initialisation, first native kernel build): not kept
     timer.decode_ms(1, 8, 1)
-    jobs += [("prefill", prefill_job(*c)) for c in prefill_cases]
-    jobs += [("decode", decode_job(*c)) for c in decode_cases]
-    jobs += [("transfer", transfer_job(*c)) for c in transfer_cases]
+    # NOTE: the kinds take turns, so a run cut short by --max-seconds still has some of each.
+    by_kind = [[("prefill", prefill_job(*c)) for c in prefill_cases],
+               [("decode", decode_job(*c)) for c in decode_cases],
+               [("transfer", transfer_job(*c)) for c in transfer_cases]]
+    jobs += [job for turn in itertools.zip_longest(*by_kind) for job in turn if job is not None]
     deadline = time.monotonic() + max_seconds
     bar = tqdm(jobs, desc="profiling", unit="case", disable=not progress)
     for kind, job in bar:
