@@ -42,7 +42,7 @@ def _add_profile_parser(sub: Any) -> None:
     p.add_argument("--transfer-tokens", type=_ints, default=None, help="KV transfer sizes in tokens")
     p.add_argument("--backends", default=None,
                    help="transfer backends to time (default: tcp, and nixl if importable)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per case (median / best taken)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per case (the best is kept)")
     p.add_argument("--max-seconds", type=float, default=600.0,
                    help="stop sampling after this long (default 600)")
     p.add_argument("--request-overhead-ms", type=float, default=0.0,
