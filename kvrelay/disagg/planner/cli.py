@@ -122,6 +122,8 @@ def _add_plan_parser(sub: Any) -> None:
     s.add_argument("--max-instances", type=int, default=4)
     s.add_argument("--only", choices=("colocated", "disaggregated"), default=None)
     s.add_argument("--configs", default=None, help="explicit shapes, e.g. 1,2,1P1D,2P1D")
+    s.add_argument("--needed-only", action="store_true",
+                   help="skip the goodput search: only the smallest shapes meeting the SLOs at --rate")
     s.add_argument("--tolerance", type=float, default=0.05, help="relative width where bisection stops")
     s.add_argument("--max-rate", type=float, default=None, help="highest rate searched (distserve: per GPU)")
     s.add_argument("--seed", type=int, default=0)
@@ -186,7 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            SearchOptions(arrivals=arrivals, seed=args.seed, tolerance=args.tolerance,
                                          max_rate=args.max_rate or 1000.0), pd_profile)
     shapes = shapes_for(args.max_instances, args.only, args.configs)
-    report = run_plan(search, shapes, args.rate)
+    report = run_plan(search, shapes, args.rate, needed_only=args.needed_only)
     print_report(report, f"plan: {profile.model} ({profile.source}), workload {workload.name}: "
                          f"{len(workload.requests)} requests, "
                          f"prefix reuse {'off' if args.no_prefix_cache else 'on'}")

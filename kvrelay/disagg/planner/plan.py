@@ -65,9 +65,14 @@ def parse_shapes(text: str) -> list[ClusterSpec]:
     return shapes
 
 
-def run_plan(search: GoodputSearch, shapes: list[ClusterSpec], target_rate: float | None) -> PlanReport:
-    results = [search.goodput(shape) for shape in shapes]
+def run_plan(search: GoodputSearch, shapes: list[ClusterSpec], target_rate: float | None,
+             needed_only: bool = False) -> PlanReport:
     rate = target_rate if target_rate is not None else search.workload.rate
+    if needed_only:
+        if not math.isfinite(rate):
+            raise ValueError("--needed-only needs a finite --rate (the workload has no spread of arrivals)")
+        return PlanReport(search.slo, rate, [], smallest_meeting(search, shapes, rate))
+    results = [search.goodput(shape) for shape in shapes]
     report = PlanReport(search.slo, rate, results)
     if not any(g.goodput > 0 for g in results):
         raise PlanError(_unmeetable(search, results))
@@ -95,6 +100,17 @@ def print_report(report: PlanReport, header: str) -> None:
     print(header)
     pct = f"p{slo.percentile:g}"
     print(f"SLO: {pct} TTFT <= {slo.ttft_s:g} s, {pct} TPOT <= {slo.tpot_s * 1e3:g} ms")
+    if report.results:
+        _print_goodputs(report)
+    if report.needed:
+        print(f"\nat {report.target_rate:.3g} req/s:")
+        for kind, shape in report.needed.items():
+            answer = (f"{shape.label} ({shape.num_instances} instances)" if shape
+                      else "more than the shapes tried")
+            print(f"  {kind:14} needs {answer}")
+
+
+def _print_goodputs(report: PlanReport) -> None:
     print(f"\n  {'config':16}{'instances':>10}{'goodput':>12}{'/instance':>11}{'/GPU':>9}"
           f"{'prefix hit':>12}")
     for g in report.results:
@@ -111,12 +127,6 @@ def print_report(report: PlanReport, header: str) -> None:
         better = "disaggregated" if dis.per_instance > co.per_instance else "colocated"
         print(f"best per instance: colocated {co.per_instance:.3g} ({co.cluster.label}) vs disaggregated "
               f"{dis.per_instance:.3g} ({dis.cluster.label}): {better} serves more per instance")
-    if report.needed:
-        print(f"\nat {report.target_rate:.3g} req/s:")
-        for kind, shape in report.needed.items():
-            answer = (f"{shape.label} ({shape.num_instances} instances)" if shape
-                      else "more than the shapes tried")
-            print(f"  {kind:14} needs {answer}")
 
 
 def write_json(report: PlanReport, path: str) -> None:
