@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,11 @@ def run_plan(search: GoodputSearch, shapes: list[ClusterSpec], target_rate: floa
         if not math.isfinite(rate):
             raise ValueError("--needed-only needs a finite --rate (the workload has no spread of arrivals)")
         return PlanReport(search.slo, rate, [], smallest_meeting(search, shapes, rate))
-    results = [search.goodput(shape) for shape in shapes]
+    results = []
+    for shape in shapes:  # a search takes seconds to minutes per shape: say where it is
+        results.append(search.goodput(shape))
+        print(f"plan: {shape.label}: goodput {results[-1].goodput:.3g} req/s "
+              f"({len(results[-1].points)} simulated rates)", file=sys.stderr, flush=True)
     report = PlanReport(search.slo, rate, results)
     if not any(g.goodput > 0 for g in results):
         raise PlanError(_unmeetable(search, results))

@@ -55,6 +55,8 @@ def test_plan_prints_goodput_split_and_instances_needed(hand_profile_path: str, 
     (lambda d: ["--profile", d["hand"], "--input-len", "lots"], "not a length distribution"),
     (lambda d: ["--profile", d["hand"], "--ttft-slo", "0.001", "--num-requests", "20", "--configs", "1,1P1D"],
      "no configuration (1x colocated, 1P1D) meets p90 TTFT <= 0.001 s"),
+    (lambda d: ["--profile", DISTSERVE, "--model", "facebook/opt-13b", "--configs", "1P1D"],
+     "give the link with --link-bandwidth"),
     (lambda d: ["--profile", DISTSERVE, "--latency-model", "distserve", "--model", "facebook/opt-13b",
                 "--distserve-tp", "3"], "no entry for TP [3]"),
 ])
