@@ -9,9 +9,11 @@ Steps:
    each of kvrelay up's P and D gets) and with all of them (the single instance).
 2. bench_serving's workload (same seed, prompts, gaps, output length) turned into planner
    requests: each prompt tokenized as the server does (chat template), arrivals at gap / rate.
-3. Calibration: a few short requests sent one at a time to each target before the load; the
-   median of (measured TTFT - predicted TTFT) is the target's fixed per-request overhead (HTTP,
-   tokenizing, the proxy's hop), added to the prediction. Nothing from the loaded runs is used.
+3. Calibration: a few requests sent one at a time to each target before the load. The median of
+   (measured - predicted TPOT) is what a served step costs beyond an engine step (the server
+   loop, streaming); with it included, the median of (measured - predicted TTFT) is the fixed
+   per-request cost (HTTP, tokenizing, the proxy's hop). Both go into the prediction; nothing
+   from the loaded runs is used.
 4. The prediction (the planner's simulator) and the measurement (bench_serving's own load
    generator, `run_rate`) for each rate, and a table: TTFT and TPOT p50/p90 predicted vs
    measured with the error, within 25% or not, and whether P/D beats the single instance (the
@@ -47,6 +49,7 @@ from kvrelay.disagg.planner.workload import RequestSpec, Workload  # noqa: E402
 TOLERANCE = 0.25
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 SINGLE, PD = "single", "P/D"
+CALIBRATION_TOKENS = 8  # output tokens of an idle calibration request (7 gaps for its TPOT)
 PROFILE_GRID = ("--prefill-tokens", "16,64,128,256,512,1024", "--prefill-seqs", "1,2",
                 "--prefix-tokens", "0,256", "--decode-batch", "1,2,4,8", "--decode-context", "64,256,512",
                 "--transfer-tokens", "64,256,1024", "--reps", "2")
@@ -116,34 +119,22 @@ def predict(profiles: dict[str, Profile], wl: Workload) -> dict[str, Latencies]:
             PD: latencies(simulate(ClusterSpec(num_prefill=1, num_decode=1), profiles[PD], wl))}
 
 
-def with_overhead(p: Profile, overhead_ms: float) -> Profile:
-    return replace(p, overhead_ms={**p.overhead_ms, "request": overhead_ms})
+def with_overhead(p: Profile, overheads: dict[str, float]) -> Profile:
+    return replace(p, overhead_ms={**p.overhead_ms, **overheads})
 
 
 # ----------------------------------------------------------------------------- measurement
 
 
 def measure_target(url: str, label: str, args: argparse.Namespace, wl: bench_serving.Workload,
-                   prof: Profile, cluster: ClusterSpec) -> tuple[float, dict[float, Latencies]]:
-    """Calibrate the per-request overhead on idle requests, then run every rate; returns both."""
+                   prof: Profile, cluster: ClusterSpec) -> tuple[dict[str, float], dict[float, Latencies]]:
+    """Calibrate the target's fixed overheads on idle requests, then run every rate."""
     model = args.model_name or bench_serving.served_model(url)
     by_length = sorted(wl.prompts, key=len)
     for prompt in (by_length[-1], by_length[0]):  # lazy initialisation off the clock, as bench_serving
         asyncio.run(bench_serving.run_rate(url, model, bench_serving.Workload((prompt,), (0.0,), 4), 1.0,
                                            "chat", args.request_timeout, tag="warmup"))
-    gaps = []
-    for i in range(args.calibration_requests):
-        prompt = by_length[i % len(by_length)]
-        one = bench_serving.Workload((prompt,), (0.0,), 2)
-        results, _ = asyncio.run(bench_serving.run_rate(url, model, one, 1.0, "chat", args.request_timeout,
-                                                        tag=f"calibrate {i}"))
-        if results[0].ok and results[0].ttft is not None:
-            spec = planner_workload(one, 1.0, 0, args.model).requests[0]
-            predicted = simulate(cluster, prof, Workload((replace(spec, arrival_s=0.0),))).ttft_s[0]
-            gaps.append((results[0].ttft - predicted) * 1e3)
-    overhead_ms = max(0.0, statistics.median(gaps)) if gaps else 0.0
-    print(f"  [{label}] per-request overhead {overhead_ms:.1f} ms (median of {len(gaps)} idle requests)",
-          flush=True)
+    overheads = calibrate(url, model, label, args, by_length, prof, cluster)
     measured = {}
     for run, rate in enumerate(args.rates):
         results, duration = asyncio.run(bench_serving.run_rate(url, model, wl, rate, "chat",
@@ -152,7 +143,37 @@ def measure_target(url: str, label: str, args: argparse.Namespace, wl: bench_ser
         measured[rate] = Latencies([r.ttft for r in ok], [r.tpot or 0.0 for r in ok],
                                    share_in_slo(results, args))
         print(f"  [{label}] rate {rate:g}: {len(ok)}/{len(results)} ok in {duration:.1f} s", flush=True)
-    return overhead_ms, measured
+    return overheads, measured
+
+
+def calibrate(url: str, model: str, label: str, args: argparse.Namespace, prompts: list[str], prof: Profile,
+              cluster: ClusterSpec) -> dict[str, float]:
+    """Idle requests one at a time: the median excess of measured TPOT over the predicted one is
+    the cost a served step adds to an engine step ("step"); then, with that included, the median
+    excess of TTFT is the fixed per-request cost ("request": HTTP, tokenizing, the proxy's hop)."""
+    samples = []
+    for i in range(args.calibration_requests):
+        one = bench_serving.Workload((prompts[i % len(prompts)],), (0.0,), CALIBRATION_TOKENS)
+        results, _ = asyncio.run(bench_serving.run_rate(url, model, one, 1.0, "chat", args.request_timeout,
+                                                        tag=f"calibrate {i}"))
+        if results[0].ok and results[0].ttft is not None and results[0].tpot is not None:
+            spec = replace(planner_workload(one, 1.0, 0, args.model).requests[0], arrival_s=0.0)
+            samples.append((spec, results[0].ttft, results[0].tpot))
+    if not samples:
+        return {"request": 0.0, "step": 0.0}
+
+    def predicted(p: Profile, spec: RequestSpec) -> tuple[float, float]:
+        result = simulate(cluster, p, Workload((spec,)))
+        return result.ttft_s[0], result.tpot_s[0]
+
+    step_ms = max(0.0, statistics.median((tpot - predicted(prof, spec)[1]) * 1e3
+                                         for spec, _, tpot in samples))
+    with_step = replace(prof, overhead_ms={**prof.overhead_ms, "step": step_ms})
+    request_ms = max(0.0, statistics.median((ttft - predicted(with_step, spec)[0]) * 1e3
+                                            for spec, ttft, _ in samples))
+    print(f"  [{label}] calibrated on {len(samples)} idle requests: {request_ms:.1f} ms per request, "
+          f"{step_ms:.1f} ms per step beyond the engine's", flush=True)
+    return {"request": request_ms, "step": step_ms}
 
 
 def share_in_slo(results: list[Any], args: argparse.Namespace) -> float:
@@ -167,8 +188,11 @@ def sim_share(lat: Latencies, args: argparse.Namespace) -> float:
     return good / len(lat.ttft_s)
 
 
+Overheads = dict[str, dict[str, float]]  # target -> {"request": ms, "step": ms}
+
+
 def measure(args: argparse.Namespace, wl: bench_serving.Workload,
-            profiles: dict[str, Profile]) -> tuple[dict[str, float], dict[str, dict[float, Latencies]]]:
+            profiles: dict[str, Profile]) -> tuple[Overheads, dict[str, dict[float, Latencies]]]:
     """kvrelay up (1P1D) first, then one serve with all the threads, as bench_serving --compare."""
     from kvrelay.disagg.launcher import ClusterSpec as UpSpec
     from kvrelay.disagg.launcher import LocalCluster, single_instance
@@ -278,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json_out:
                 for name, prof in (("single", profiles[SINGLE]), ("pd", profiles[PD])):
                     prof.save(Path(args.json_out).with_suffix(f".{name}.profile.json"))
-    overheads = {SINGLE: 0.0, PD: 0.0}
+    overheads: dict[str, dict[str, float]] = {SINGLE: {}, PD: {}}
     measured: dict[str, dict[float, Latencies]] = {}
     if not args.predict_only:
         overheads, measured = measure(args, wl, profiles)
@@ -290,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             sc.measured = {k: v[rate] for k, v in measured.items()}
         scenarios.append(sc)
     print(f"\nplanner vs bench_serving: {args.num_requests} requests per rate, {args.max_tokens} output "
-          f"tokens, {args.threads} thread(s) in all; overheads {overheads[SINGLE]:.0f} ms (single), "
-          f"{overheads[PD]:.0f} ms (P/D)")
+          f"tokens, {args.threads} thread(s) in all; calibrated overheads (ms): single {overheads[SINGLE]}, "
+          f"P/D {overheads[PD]}")
     report = print_table(scenarios, args)
     if args.json_out:
         out = {"args": {k: v for k, v in vars(args).items()}, "overhead_ms": overheads, **report,

@@ -49,6 +49,8 @@ def _add_profile_parser(sub: Any) -> None:
                    help="fixed per-request cost outside engine steps (HTTP, tokenizing) to record")
     p.add_argument("--pd-hop-ms", type=float, default=0.0,
                    help="the proxy's extra hop between P and D to record")
+    p.add_argument("--step-overhead-ms", type=float, default=0.0,
+                   help="cost a served step adds beyond the engine's (server loop, streaming) to record")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_profile)
 
@@ -87,7 +89,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.engine.llm_engine import LLMEngine
     engine = LLMEngine(config)
     profile = run_profile(engine, grid, args.max_seconds, args.threads, backends, not args.no_progress)
-    profile.overhead_ms = {"request": args.request_overhead_ms, "pd_hop": args.pd_hop_ms}
+    profile.overhead_ms = {"request": args.request_overhead_ms, "pd_hop": args.pd_hop_ms,
+                           "step": args.step_overhead_ms}
     profile.save(args.output)
     print(f"profile of {profile.model} ({profile.threads} thread(s)) written to {args.output}: "
           f"{len(profile.samples['prefill'])} prefill, {len(profile.samples['decode'])} decode, "

@@ -11,7 +11,7 @@ kvrelay profile JSON (format "kvrelay-profile", version 1), all times in millise
      "prefill": {"intercept_ms": a, "per_token_ms": b, "per_seq_ms": c, "per_kpair_ms": d},
      "decode":  {"intercept_ms": a, "per_token_ms": b, "per_seq_ms": 0, "per_kpair_ms": d},
      "transfer": {"tcp": {"latency_ms": l, "ms_per_mib": m}, "nixl": {...}},
-     "overhead_ms": {"request": r, "pd_hop": h},
+     "overhead_ms": {"request": r, "pd_hop": h, "step": s},
      "samples": {"prefill": [{"batch_tokens", "num_seqs", "prefix_tokens", "kpairs", "ms"}],
                  "decode": [{"batch_size", "total_context", "kpairs", "ms"}],
                  "transfer": [{"backend", "bytes", "ms"}]}}
@@ -22,7 +22,9 @@ tokens after c_i already in its KV cache, costs
     intercept + per_token * T + per_seq * B + per_kpair * K,   K = sum_i n_i * (c_i + (n_i + 1) / 2) / 1000
 
 (K counts query-key pairs of causal attention, in thousands), with the `prefill` coefficients
-when any sequence computes prompt tokens and the `decode` ones when every n_i is 1. A transfer
+when any sequence computes prompt tokens and the `decode` ones when every n_i is 1, plus
+`overhead_ms.step` (what a served step costs beyond the engine's: the server loop, streaming;
+0 unless calibrated). A transfer
 of X bytes costs latency + ms_per_mib * X / 2**20 on the chosen backend.
 
 DistServe's format ({model: {tp: {prefill, decoding_smallbs, decoding_largebs, threshold}}}) is
@@ -146,8 +148,10 @@ class Profile:
         pairs = kpairs([*chunks, *((1, c) for c in decode_contexts)])
         num_tokens = sum(n for n, _ in chunks) + len(decode_contexts)
         num_seqs = len(chunks) + len(decode_contexts)
+        if not num_seqs:
+            return 0.0
         fit = self.prefill if chunks else self.decode
-        return max(0.0, fit.predict_ms(num_tokens, num_seqs, pairs)) if num_seqs else 0.0
+        return max(0.0, fit.predict_ms(num_tokens, num_seqs, pairs)) + self.overhead_ms.get("step", 0.0)
 
     def transfer_ms(self, num_bytes: float, backend: str) -> float:
         if backend not in self.transfer:
