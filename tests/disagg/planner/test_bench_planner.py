@@ -69,3 +69,19 @@ def test_predict_only_on_given_profiles(bench: ModuleType, tmp_path: Path,
     assert "rate 0.5 req/s" in text and "is P/D better here? predicted" in text
     report = json.loads(out.read_text())
     assert len(report["rows"]) == 2 * 2 * 4 and all(r["measured_ms"] is None for r in report["rows"])
+
+
+def test_measure_target_calibrates_then_runs_every_rate(bench: ModuleType) -> None:
+    from kvrelay.disagg.planner.sim import ClusterSpec
+    from tests.disagg.servers import FakeBackend, ServerThread
+
+    args = bench.parse_args(["--threads", "2", "--rates", "20,40", "--num-requests", "4",
+                             "--calibration-requests", "2", "--model-name", "fake"])
+    wl = bench.bench_serving.build_workload(4, 0.25, (8, 16), (30, 40), 4, seed=0)
+    backend = FakeBackend("D", chunk_delay=0.01, num_chunks=8)
+    with ServerThread(backend.app()) as server:
+        overheads, measured = bench.measure_target(server.url, "fake", args, wl, hand_profile(),
+                                                   ClusterSpec(num_colocated=1))
+    assert set(overheads) == {"request", "step"} and all(v >= 0 for v in overheads.values())
+    assert overheads["step"] > 0  # the fake streams a chunk every 10 ms; the profile decodes in 5
+    assert sorted(measured) == [20.0, 40.0] and all(len(m.ttft_s) == 4 for m in measured.values())
