@@ -119,6 +119,7 @@ _SUBCOMMAND_MODULES = (
     "kvrelay.disagg.proxy_cli",        # kvrelay proxy
     "kvrelay.disagg.launcher_cli",     # kvrelay up
     "kvrelay.disagg.demo_cli",         # kvrelay demo
+    "kvrelay.disagg.planner.cli",      # kvrelay profile, kvrelay plan
 )
 
 

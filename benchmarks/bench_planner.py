@@ -1,0 +1,330 @@
+"""Planner against measurement: predict bench_serving's scenarios, then measure them, in one run.
+
+    # the same scenarios as `make bench-serving` (one instance vs kvrelay up 1P1D, same threads)
+    .venv/bin/python benchmarks/bench_planner.py --rates 0.25,0.5,1 --num-requests 8 --max-tokens 24 \
+        --long-words 150,300 --json-out benchmarks/results/bench_planner.json
+
+Steps:
+1. `kvrelay profile` of the default model twice, in child processes: with half the threads (what
+   each of kvrelay up's P and D gets) and with all of them (the single instance).
+2. bench_serving's workload (same seed, prompts, gaps, output length) turned into planner
+   requests: each prompt tokenized as the server does (chat template), arrivals at gap / rate.
+3. Calibration: a few requests sent one at a time to each target before the load. The median of
+   (measured - predicted TPOT) is what a served step costs beyond an engine step (the server
+   loop, streaming); with it included, the median of (measured - predicted TTFT) is the fixed
+   per-request cost (HTTP, tokenizing, the proxy's hop). Both go into the prediction; nothing
+   from the loaded runs is used.
+4. The prediction (the planner's simulator) and the measurement (bench_serving's own load
+   generator, `run_rate`) for each rate, and a table: TTFT and TPOT p50/p90 predicted vs
+   measured with the error, within 25% or not, and whether P/D beats the single instance (the
+   higher share of requests within both SLOs; a tie goes to the lower p90 latencies).
+`--predict-only` skips 3 and 4 (no servers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_serving  # noqa: E402
+
+from kvrelay.disagg.planner.profile import Profile, load_profile  # noqa: E402
+from kvrelay.disagg.planner.sim import ClusterSpec, SimResult, percentile, simulate  # noqa: E402
+from kvrelay.disagg.planner.workload import RequestSpec, Workload  # noqa: E402
+
+TOLERANCE = 0.25
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+SINGLE, PD = "single", "P/D"
+CALIBRATION_TOKENS = 8  # output tokens of an idle calibration request (7 gaps for its TPOT)
+PROFILE_GRID = ("--prefill-tokens", "16,64,128,256,512,1024", "--prefill-seqs", "1,2",
+                "--prefix-tokens", "0,256", "--decode-batch", "1,2,4,8", "--decode-context", "64,256,512",
+                "--transfer-tokens", "64,256,1024", "--reps", "2")
+
+
+@dataclass
+class Latencies:
+    ttft_s: list[float]
+    tpot_s: list[float]
+    share_in_slo: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {"ttft_p50": percentile(self.ttft_s, 50), "ttft_p90": percentile(self.ttft_s, 90),
+                "tpot_p50": percentile(self.tpot_s, 50), "tpot_p90": percentile(self.tpot_s, 90)}
+
+
+@dataclass
+class Scenario:
+    rate: float
+    predicted: dict[str, Latencies] = field(default_factory=dict)
+    measured: dict[str, Latencies] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def profile(threads: int, args: argparse.Namespace, out: Path) -> Profile:
+    cmd = [sys.executable, "-m", "kvrelay.entrypoints.cli", "profile", *([args.model] if args.model else []),
+           "--threads", str(threads), "--kv-cache-memory", args.kv_cache_memory, "-o", str(out),
+           "--max-seconds", str(args.profile_seconds), *PROFILE_GRID]
+    print(f"profiling with {threads} thread(s): {' '.join(cmd[2:])}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run(cmd, check=True, env=env)
+    return load_profile(out)
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def planner_workload(wl: bench_serving.Workload, rate: float, run: int, model: str | None) -> Workload:
+    """bench_serving's requests as the planner sees them: token counts and arrival times."""
+    tokenizer = _tokenizer(model)
+    requests, now = [], 0.0
+    for prompt, gap in zip(wl.prompts, wl.gaps, strict=True):
+        now += gap / rate
+        text = tokenizer.apply_chat_template([{"role": "user", "content": f"[run {run}] {prompt}"}])
+        requests.append(RequestSpec(now, len(tokenizer.encode(text)), wl.max_tokens))
+    return Workload(tuple(requests), name=f"bench_serving@{rate:g}")
+
+
+_TOKENIZERS: dict[str | None, Any] = {}
+
+
+def _tokenizer(model: str | None) -> Any:
+    if model not in _TOKENIZERS:
+        from kvrelay.model.loader import load_model
+        _TOKENIZERS[model] = load_model(model).tokenizer
+    return _TOKENIZERS[model]
+
+
+def latencies(result: SimResult) -> Latencies:
+    return Latencies(list(result.ttft_s), list(result.tpot_s))
+
+
+def predict(profiles: dict[str, Profile], wl: Workload) -> dict[str, Latencies]:
+    return {SINGLE: latencies(simulate(ClusterSpec(num_colocated=1), profiles[SINGLE], wl)),
+            PD: latencies(simulate(ClusterSpec(num_prefill=1, num_decode=1), profiles[PD], wl))}
+
+
+def with_overhead(p: Profile, overheads: dict[str, float]) -> Profile:
+    return replace(p, overhead_ms={**p.overhead_ms, **overheads})
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def measure_target(url: str, label: str, args: argparse.Namespace, wl: bench_serving.Workload,
+                   prof: Profile, cluster: ClusterSpec) -> tuple[dict[str, float], dict[float, Latencies]]:
+    """Calibrate the target's fixed overheads on idle requests, then run every rate."""
+    model = args.model_name or bench_serving.served_model(url)
+    by_length = sorted(wl.prompts, key=len)
+    for prompt in (by_length[-1], by_length[0]):  # lazy initialisation off the clock, as bench_serving
+        asyncio.run(bench_serving.run_rate(url, model, bench_serving.Workload((prompt,), (0.0,), 4), 1.0,
+                                           "chat", args.request_timeout, tag="warmup"))
+    overheads = calibrate(url, model, label, args, by_length, prof, cluster)
+    measured = {}
+    for run, rate in enumerate(args.rates):
+        results, duration = asyncio.run(bench_serving.run_rate(url, model, wl, rate, "chat",
+                                                               args.request_timeout, tag=f"run {run}"))
+        ok = [r for r in results if r.ok and r.ttft is not None]
+        measured[rate] = Latencies([r.ttft for r in ok], [r.tpot or 0.0 for r in ok],
+                                   share_in_slo(results, args))
+        print(f"  [{label}] rate {rate:g}: {len(ok)}/{len(results)} ok in {duration:.1f} s", flush=True)
+    return overheads, measured
+
+
+def calibrate(url: str, model: str, label: str, args: argparse.Namespace, prompts: list[str], prof: Profile,
+              cluster: ClusterSpec) -> dict[str, float]:
+    """Idle requests one at a time: the median excess of measured TPOT over the predicted one is
+    the cost a served step adds to an engine step ("step"); then, with that included, the median
+    excess of TTFT is the fixed per-request cost ("request": HTTP, tokenizing, the proxy's hop)."""
+    samples = []
+    for i in range(args.calibration_requests):
+        one = bench_serving.Workload((prompts[i % len(prompts)],), (0.0,), CALIBRATION_TOKENS)
+        results, _ = asyncio.run(bench_serving.run_rate(url, model, one, 1.0, "chat", args.request_timeout,
+                                                        tag=f"calibrate {i}"))
+        if results[0].ok and results[0].ttft is not None and results[0].tpot is not None:
+            spec = replace(planner_workload(one, 1.0, 0, args.model).requests[0], arrival_s=0.0)
+            samples.append((spec, results[0].ttft, results[0].tpot))
+    if not samples:
+        return {"request": 0.0, "step": 0.0}
+
+    def predicted(p: Profile, spec: RequestSpec) -> tuple[float, float]:
+        result = simulate(cluster, p, Workload((spec,)))
+        return result.ttft_s[0], result.tpot_s[0]
+
+    step_ms = max(0.0, statistics.median((tpot - predicted(prof, spec)[1]) * 1e3
+                                         for spec, _, tpot in samples))
+    with_step = replace(prof, overhead_ms={**prof.overhead_ms, "step": step_ms})
+    request_ms = max(0.0, statistics.median((ttft - predicted(with_step, spec)[0]) * 1e3
+                                            for spec, ttft, _ in samples))
+    print(f"  [{label}] calibrated on {len(samples)} idle requests: {request_ms:.1f} ms per request, "
+          f"{step_ms:.1f} ms per step beyond the engine's", flush=True)
+    return {"request": request_ms, "step": step_ms}
+
+
+def share_in_slo(results: list[Any], args: argparse.Namespace) -> float:
+    good = sum(1 for r in results if r.ok and r.ttft is not None and r.ttft <= args.ttft_slo
+               and (r.tpot is None or r.tpot <= args.tpot_slo))
+    return good / len(results)
+
+
+def sim_share(lat: Latencies, args: argparse.Namespace) -> float:
+    good = sum(1 for a, b in zip(lat.ttft_s, lat.tpot_s, strict=True)
+               if a <= args.ttft_slo and b <= args.tpot_slo)
+    return good / len(lat.ttft_s)
+
+
+Overheads = dict[str, dict[str, float]]  # target -> {"request": ms, "step": ms}
+
+
+def measure(args: argparse.Namespace, wl: bench_serving.Workload,
+            profiles: dict[str, Profile]) -> tuple[Overheads, dict[str, dict[float, Latencies]]]:
+    """kvrelay up (1P1D) first, then one serve with all the threads, as bench_serving --compare."""
+    from kvrelay.disagg.launcher import ClusterSpec as UpSpec
+    from kvrelay.disagg.launcher import LocalCluster, single_instance
+
+    serve_args = ("--kv-cache-memory", args.kv_cache_memory)
+    spec = UpSpec(model=args.model, port=0, threads_per_instance=max(1, args.threads // 2),
+                  serve_args=serve_args, startup_timeout=600)
+    print(f"starting kvrelay up (1P1D, {spec.threads} thread(s) each) ...", flush=True)
+    with LocalCluster(spec) as cluster:
+        pd = measure_target(cluster.url, PD, args, wl, profiles[PD], ClusterSpec(num_prefill=1, num_decode=1))
+    print(f"starting one kvrelay serve ({args.threads} thread(s)) ...", flush=True)
+    with single_instance(args.model, args.threads, serve_args) as single:
+        one = measure_target(single.url, SINGLE, args, wl, profiles[SINGLE], ClusterSpec(num_colocated=1))
+    return {PD: pd[0], SINGLE: one[0]}, {PD: pd[1], SINGLE: one[1]}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def pd_better(lat: dict[str, Latencies], args: argparse.Namespace, measured: bool) -> bool:
+    share = {k: (v.share_in_slo if measured else sim_share(v, args)) for k, v in lat.items()}
+    if share[PD] != share[SINGLE]:
+        return share[PD] > share[SINGLE]
+    score = {k: v.summary()["ttft_p90"] / args.ttft_slo + v.summary()["tpot_p90"] / args.tpot_slo
+             for k, v in lat.items()}
+    return score[PD] < score[SINGLE]
+
+
+def print_table(scenarios: list[Scenario], args: argparse.Namespace) -> dict[str, Any]:
+    rows, verdicts = [], []
+    for sc in scenarios:
+        print(f"\nrate {sc.rate:g} req/s")
+        print(f"  {'':10}{'metric':10}{'predicted':>11}{'measured':>10}{'error':>8}  within 25%")
+        for target in (SINGLE, PD):
+            pred = sc.predicted[target].summary()
+            meas = sc.measured[target].summary() if sc.measured else None
+            for m in METRICS:
+                err = (pred[m] - meas[m]) / meas[m] if meas and meas[m] else float("nan")
+                ok = abs(err) <= TOLERANCE if meas else None
+                rows.append({"rate": sc.rate, "target": target, "metric": m, "predicted_ms": pred[m] * 1e3,
+                             "measured_ms": meas[m] * 1e3 if meas else None, "error": err, "within": ok})
+                shown = f"{meas[m] * 1e3:>10.0f}{err:>+8.0%}  {'yes' if ok else 'NO'}" if meas else ""
+                print(f"  {target:10}{m:10}{pred[m] * 1e3:>11.0f}{shown}")
+        predicted = pd_better(sc.predicted, args, measured=False)
+        line = f"  is P/D better here? predicted {'yes' if predicted else 'no'}"
+        verdict: dict[str, Any] = {"rate": sc.rate, "predicted_pd_better": predicted}
+        if sc.measured:
+            actual = pd_better(sc.measured, args, measured=True)
+            verdict.update(measured_pd_better=actual, right=predicted == actual)
+            line += f", measured {'yes' if actual else 'no'}: {'right' if predicted == actual else 'WRONG'}"
+        verdicts.append(verdict)
+        print(line)
+    measured_rows = [r for r in rows if r["within"] is not None]
+    if measured_rows:
+        n_ok = sum(1 for r in measured_rows if r["within"])
+        n_right = sum(1 for v in verdicts if v.get("right"))
+        print(f"\nwithin 25%: {n_ok}/{len(measured_rows)} predictions; P/D-or-not right at "
+              f"{n_right}/{len(verdicts)} rates")
+    return {"rows": rows, "verdicts": verdicts}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model for the instances (default: serve's)")
+    p.add_argument("--model-name", default=None)
+    p.add_argument("--rates", default="0.25,0.5,1")
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--long-fraction", type=float, default=0.25)
+    p.add_argument("--short-words", default="8,32")
+    p.add_argument("--long-words", default="150,300")
+    p.add_argument("--ttft-slo", type=float, default=1.0)
+    p.add_argument("--tpot-slo", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="total threads (default: all cores)")
+    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--profile-seconds", type=float, default=300.0, help="time limit of each profile run")
+    p.add_argument("--profiles", default=None,
+                   help="reuse two profiles 'SINGLE.json,PD.json' instead of profiling again")
+    p.add_argument("--calibration-requests", type=int, default=4)
+    p.add_argument("--predict-only", action="store_true", help="no servers: print the predictions only")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    args.rates = [float(r) for r in args.rates.split(",") if r]
+    if not args.rates or min(args.rates) <= 0:
+        p.error(f"rates must be > 0, got {args.rates}")
+    args.short_words = tuple(int(x) for x in args.short_words.split(","))
+    args.long_words = tuple(int(x) for x in args.long_words.split(","))
+    if args.threads is None:
+        from kvrelay.disagg.launcher import available_cores
+        args.threads = available_cores()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    wl = bench_serving.build_workload(args.num_requests, args.long_fraction, args.short_words,
+                                      args.long_words, args.max_tokens, args.seed)
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-planner-") as tmp:
+        if args.profiles:
+            single_path, pd_path = args.profiles.split(",")
+            profiles = {SINGLE: load_profile(single_path), PD: load_profile(pd_path)}
+        else:
+            profiles = {SINGLE: profile(args.threads, args, Path(tmp) / "single.json"),
+                        PD: profile(max(1, args.threads // 2), args, Path(tmp) / "pd.json")}
+            if args.json_out:
+                for name, prof in (("single", profiles[SINGLE]), ("pd", profiles[PD])):
+                    prof.save(Path(args.json_out).with_suffix(f".{name}.profile.json"))
+    overheads: dict[str, dict[str, float]] = {SINGLE: {}, PD: {}}
+    measured: dict[str, dict[float, Latencies]] = {}
+    if not args.predict_only:
+        overheads, measured = measure(args, wl, profiles)
+    tuned = {k: with_overhead(p, overheads[k]) for k, p in profiles.items()}
+    scenarios = []
+    for run, rate in enumerate(args.rates):
+        sc = Scenario(rate, predict(tuned, planner_workload(wl, rate, run, args.model)))
+        if measured:
+            sc.measured = {k: v[rate] for k, v in measured.items()}
+        scenarios.append(sc)
+    print(f"\nplanner vs bench_serving: {args.num_requests} requests per rate, {args.max_tokens} output "
+          f"tokens, {args.threads} thread(s) in all; calibrated overheads (ms): single {overheads[SINGLE]}, "
+          f"P/D {overheads[PD]}")
+    report = print_table(scenarios, args)
+    if args.json_out:
+        out = {"args": {k: v for k, v in vars(args).items()}, "overhead_ms": overheads, **report,
+               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(out, indent=1, default=str))
+        print(f"results written to {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
