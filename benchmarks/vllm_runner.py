@@ -78,12 +78,13 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def hf_directory(cache_root: Path | None = None) -> Path:
-    """A Hugging Face directory with the default model's weights exactly as kvrelay loads them
-    (float32, dequantized from the GGUF), built once from kvrelay's cache entry."""
+def hf_directory(gguf_path: Path | None = None, cache_root: Path | None = None) -> Path:
+    """A Hugging Face directory holding the weights of `gguf_path` (default: the default model's)
+    exactly as kvrelay loads them (float32, dequantized), made once from kvrelay's cache entry."""
+    gguf_path = gguf_path if gguf_path is not None else default_model_path()
     cache_root = cache_root if cache_root is not None else env.cache_dir()
-    loaded = load_model(None, cache_dir=str(cache_root))  # makes sure the cache entry exists
-    entry = cache_entry_dir(default_model_path(), cache_root / "models")
+    loaded = load_model(str(gguf_path), cache_dir=str(cache_root))  # makes sure the entry exists
+    entry = cache_entry_dir(gguf_path, cache_root / "models")
     target = cache_root / "vllm-hf" / f"{entry.name}-v{_HF_DIR_VERSION}"
     if (target / "config.json").is_file():
         return target
@@ -115,23 +116,29 @@ def _link_or_copy(source: Path, dest: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- the child run
+def bound_cores(threads: int) -> str:
+    """The cores vLLM's OpenMP threads are bound to: the first `threads` ("0-1" for 2)."""
+    return f"0-{threads - 1}" if threads > 1 else "0"
+
+
 def child_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
     """vLLM CPU's settings for this run: its OpenMP threads bound to the first `threads` cores and
     none kept back for the front end (its default reserves one, which on 2 cores halves it), and
     the same KV cache size as kvrelay's."""
     child = dict(os.environ)
-    child.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+    child.update(VLLM_CPU_OMP_THREADS_BIND=bound_cores(threads), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                  VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TOKENIZERS_PARALLELISM="false")
     child.pop("PYTHONPATH", None)  # the child is vLLM's environment, not kvrelay's
     return child
 
 
-def run_vllm(python: Path, *, single_prompt: list[int], single_tokens: int,
+def run_vllm(python: Path, model_dir: Path, *, single_prompt: list[int], single_tokens: int,
              mixed: list[tuple[list[int], int]], threads: int, kv_cache_gib: int = 1,
              max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> VllmTimes:
-    """Time the single-stream and mixed rows on vLLM (see the module docstring)."""
+    """Time the single-stream and mixed rows on vLLM with the model in `model_dir` (a Hugging Face
+    directory, see `hf_directory`); single_tokens 0 or no mixed requests: that row is skipped."""
     workload = {
-        "model": str(hf_directory()), "served_name": DEFAULT_MODEL_NAME, "dtype": "float32",
+        "model": str(model_dir), "served_name": DEFAULT_MODEL_NAME, "dtype": "float32",
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
         "single_prompt": single_prompt, "single_tokens": single_tokens,
         "mixed": [{"prompt": p, "max_tokens": o} for p, o in mixed],
