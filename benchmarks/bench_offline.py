@@ -457,7 +457,7 @@ def main() -> None:
     if want("mixed"):
         mixed = bench_mixed(loaded, hf, num_requests)
         rows.append(mixed)
-    vllm_notes = []
+    vllm_notes: list[str] = []
     if vllm_python is not None and (single is not None or mixed is not None):
         vllm_notes = add_vllm_column(vllm_python, loaded.spec, args.threads, single, single_ids, mixed,
                                      num_requests)
