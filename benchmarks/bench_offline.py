@@ -40,6 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hostinfo import cpu_summary  # noqa: E402  (benchmarks/hostinfo.py)
+
 from kvrelay import LLM, SamplingParams  # noqa: E402
 from kvrelay.model.layers import linear  # noqa: E402
 from kvrelay.model.loader import LoadedModel, load_model  # noqa: E402
@@ -346,6 +348,7 @@ def bench_memory_and_start(threads: int) -> list[Row]:
 # ----------------------------------------------------------------------------- main
 def print_table(rows: list[Row], threads: int) -> None:
     print(f"\nkvrelay vs transformers, SmolLM2-135M-Instruct fp32, {threads} threads, same run")
+    print(cpu_summary())
     print(f"{'measurement':<42} {'kvrelay':>10} {'baseline':>10} {'unit':>8} {'ratio':>7} {'target':>10} met")
     for r in rows:
         print(f"{r.name:<42} {r.kvrelay:>10.2f} {r.baseline:>10.2f} {r.unit:>8} {r.ratio:>6.2f}x "
