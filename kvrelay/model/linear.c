@@ -1,29 +1,31 @@
 /* y = x . W^T (+ bias) for the CPU, float32, for the few-row products of decode steps.
  *
- * Compiled on first use by kvrelay/model/native.py (cc -O3 -march=native -fopenmp) and called
+ * Compiled on first use by kvrelay/model/native.py (cc -O3 -march=<target> -fopenmp) and called
  * through ctypes; kvrelay/model/layers.py uses it for 3..512 rows and MKL (through torch) for the
  * rest, or everywhere when it is unavailable.
  *
  * Why: MKL multiplies a 576 x 3072 weight by 8-48 rows at 50-100 GFLOP/s on this project's 2-core
  * machine, far under both of its limits (reading the weight once, and ~200 GFLOP/s of FMAs). Here
  * each thread owns a contiguous range of the weight's rows and walks it in blocks that stay in its
- * L2 cache, reading each block from memory once; all the x rows pass over a block, 6 at a time, in
- * tiles of 4 weight rows x 6 x rows: 24 running dot products in registers, 10 loads per 24 FMAs.
+ * L2 cache, reading each block from memory once; all the x rows pass over a block, a few at a time,
+ * in tiles of 4 weight rows x MR x rows, the running dot products held in registers: with 32 vector
+ * registers (AVX-512) 6 x rows, 24 sums, 10 loads per 24 FMAs; with 16 (AVX2) 3 x rows, 12 sums, 7
+ * loads per 12 FMAs (3 x 4 measured at ~70% of this CPU's 256-bit FMA peak at 64 rows, as 6 x 4 is
+ * of the 512-bit one; 2 x 4 and 4 x 4, which spills, were no faster).
  *
  * Layout: x [M, K] (row stride ldx), W [N, K] row-major (as torch stores a Linear's weight),
  * bias [N] or NULL, y [M, N] contiguous. Needs K % 16 == 0 and N % 4 == 0 (the caller checks).
  */
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "simd.h"
 
 #define NR 4            /* weight rows per tile */
 #define BLOCK (1 << 16) /* floats of weight per cache block: 256 KB, a quarter of a 1 MB L2 */
 #define KSTEP 16        /* floats of K per step: one cache line, 16 / VLEN vectors of each row */
-#ifdef MR
-#elif VREGS >= 32
+#if VREGS >= 32
 #define MR 6 /* x rows per tile: 24 accumulators + 4 weight vectors + 1 x vector = 29 registers */
 #else
 #define MR 3 /* 12 accumulators + 3 x vectors + 1 weight vector = 16 registers */
@@ -35,10 +37,7 @@
  * x vectors held while each weight vector passes (R + 1 live, 7 loads per 12 FMAs at R = 3).
  * KEEP_IN_REGISTER stops the compiler from folding a held vector's load into each of its FMAs,
  * which made the loads the bottleneck. */
-#ifndef HOLD_X
-#define HOLD_X (MR < 6)
-#endif
-#if !HOLD_X
+#if MR == 6
 #define TILE_STEP(R)                                                                                \
     {                                                                                               \
         vf w0 = load(w + k), w1 = load(w + K + k), w2 = load(w + 2 * K + k), w3 = load(w + 3 * K + k); \
@@ -47,7 +46,7 @@
             KEEP_IN_REGISTER(xv);                                                                   \
             acc[j][0] += xv * w0;                                                                   \
             acc[j][1] += xv * w1;                                                                   \
-            acc[j][2] += xv * w2;                                                               \
+            acc[j][2] += xv * w2;                                                                   \
             acc[j][3] += xv * w3;                                                                   \
         }                                                                                           \
     }
@@ -84,15 +83,7 @@
             store4(y + j * ldy, sums4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]) + b);             \
     }
 
-#if MR == 2
-DEFINE_TILE(1, 0) DEFINE_TILE(2, 0)
-DEFINE_TILE(1, 1) DEFINE_TILE(2, 1)
-#define TILE_TABLE(PF) {0, tile_1_##PF, tile_2_##PF}
-#elif MR == 4
-DEFINE_TILE(1, 0) DEFINE_TILE(2, 0) DEFINE_TILE(3, 0) DEFINE_TILE(4, 0)
-DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1)
-#define TILE_TABLE(PF) {0, tile_1_##PF, tile_2_##PF, tile_3_##PF, tile_4_##PF}
-#elif MR == 6
+#if MR == 6
 DEFINE_TILE(1, 0) DEFINE_TILE(2, 0) DEFINE_TILE(3, 0) DEFINE_TILE(4, 0) DEFINE_TILE(5, 0) DEFINE_TILE(6, 0)
 DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1) DEFINE_TILE(4, 1) DEFINE_TILE(5, 1) DEFINE_TILE(6, 1)
 #define TILE_TABLE(PF) {0, tile_1_##PF, tile_2_##PF, tile_3_##PF, tile_4_##PF, tile_5_##PF, tile_6_##PF}

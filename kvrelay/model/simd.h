@@ -14,7 +14,6 @@
 #define KVRELAY_SIMD_H
 
 #include <stdint.h>
-#include <string.h>
 
 #if defined(__AVX512F__)
 #define VLEN 16
