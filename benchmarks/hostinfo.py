@@ -1,10 +1,12 @@
 """The machine a benchmark ran on, as one line for the head of its table.
 
-    cpu: AMD EPYC 9B45, 2 cores, avx2 fma avx512f avx512bw avx512_bf16; native kernels: paged_decode,
-    linear, elementwise (target native, 16-float vectors)
+    cpu: AMD EPYC, 2 cores, sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16; torch: AVX512;
+    native kernels: paged_decode, linear, elementwise (target native, 16-float vectors)
 
 The kernel part says which build of kvrelay/model/native.py the run used (KVRELAY_NATIVE_ARCH
 picks it), so a table from an AVX2-only machine, or with the AVX2 build forced, reads as such.
+To stand in for an AVX2-only CPU on an AVX-512 one, lower torch and MKL too:
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 KVRELAY_NATIVE_ARCH=haswell python benchmarks/...
 """
 
 from __future__ import annotations
@@ -34,16 +36,20 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def cpu_summary() -> str:
-    """Model name, cores this process may use, the ISA flags above that this CPU has, and the
-    native kernels in use (built here if need be)."""
-    from kvrelay.model import native  # torch: only when a table is printed
+    """Model name, cores this process may use, the ISA flags above that this CPU has, the vector
+    code torch dispatches to (ATEN_CPU_CAPABILITY can lower it) and the native kernels in use
+    (built here if need be)."""
+    import torch  # only when a table is printed
+
+    from kvrelay.model import native
 
     info = _cpuinfo()
     model = info.get("model name") or platform.processor() or platform.machine()
     flags = set((info.get("flags") or info.get("Features") or "").split())
     isa = " ".join(f for f in _ISA_FLAGS if f in flags) or "unknown ISA"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"cpu: {model}, {cores} cores, {isa}; native kernels: {native.active_kernels()}"
+    return (f"cpu: {model}, {cores} cores, {isa}; torch: {torch.backends.cpu.get_cpu_capability()}; "
+            f"native kernels: {native.active_kernels()}")
 
 
 if __name__ == "__main__":
