@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offline import decoding_engine, stop_all  # noqa: E402
+from hostinfo import cpu_summary  # noqa: E402
 
 import kvrelay.model.attention as attention  # noqa: E402
 import kvrelay.model.layers as layers  # noqa: E402
@@ -98,6 +99,7 @@ def main() -> None:
             print(f"  {name} batch {batch}: {baseline} {off * 1e3:.1f} ms, fast path {on * 1e3:.1f} ms",
                   flush=True)
     print(f"\ndecode step time, fast path against its baseline, alternating steps ({args.threads} threads)")
+    print(cpu_summary())
     print(f"{'path':<12} {'batch':>5} {'baseline':>13} {'base ms':>8} {'fast ms':>8} {'speed-up':>8}")
     for name, batch, baseline, off, on in rows:
         print(f"{name:<12} {batch:>5} {baseline:>13} {off * 1e3:>8.1f} {on * 1e3:>8.1f} {off / on:>7.2f}x")

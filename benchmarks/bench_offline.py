@@ -46,6 +46,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hostinfo import cpu_summary  # noqa: E402  (benchmarks/hostinfo.py)
+
 from kvrelay import LLM, SamplingParams  # noqa: E402
 from kvrelay.model.layers import linear  # noqa: E402
 from kvrelay.model.loader import LoadedModel, load_model  # noqa: E402
@@ -412,6 +414,7 @@ def print_table(rows: list[Row], threads: int, vllm_notes: list[str]) -> None:
     with_vllm = any(r.vllm is not None for r in rows)
     print(f"\nkvrelay vs transformers{' and vLLM CPU' if with_vllm else ''}, SmolLM2-135M-Instruct fp32, "
           f"{threads} threads, same run")
+    print(cpu_summary())
     vllm_head = f" {'vLLM':>10} {'ratio':>7} {'target':>8} met" if with_vllm else ""
     print(f"{'measurement':<42} {'kvrelay':>10} {'baseline':>10} {'unit':>8} {'ratio':>7} {'target':>10} met"
           + vllm_head)

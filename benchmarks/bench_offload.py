@@ -45,6 +45,7 @@ from typing import Any
 
 import plotting  # benchmarks/plotting.py, beside this script
 import torch
+from hostinfo import cpu_summary  # benchmarks/hostinfo.py
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.kv_transfer.connectors.offload_meta import ChunkSave
@@ -354,6 +355,7 @@ def plot(lengths: list[int], ttfts: dict[tuple[str, int], float], itl: ItlResult
 def print_table(lengths: list[int], ttfts: dict[tuple[str, int], float],
                 stores: dict[str, tuple[float, float]], itl: ItlResult | None) -> None:
     targets = {"cpu": 20, "disk": 10, "redis": 5}
+    print(cpu_summary())
     if ttfts:
         print_ttft(lengths, ttfts, targets)
     if stores:

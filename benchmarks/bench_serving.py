@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # plotting.py, also when loaded from a file path (tests)
 
 import plotting  # noqa: E402
+from hostinfo import cpu_summary  # noqa: E402
 
 from kvrelay.disagg.stream_client import StreamResult, stream_completion  # noqa: E402
 
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = build_workload(args.num_requests, args.long_fraction, args.short_words, args.long_words,
                               args.max_tokens, args.seed)
     lengths = sorted(len(p.split()) for p in workload.prompts)
+    print(cpu_summary())
     print(f"workload: {args.num_requests} requests per rate, prompts of {lengths} words, "
           f"{args.max_tokens} output tokens each, rates {args.rates}; "
           f"SLOs TTFT <= {args.ttft_slo:g} s, TPOT <= {args.tpot_slo * 1e3:g} ms", flush=True)

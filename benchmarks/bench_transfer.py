@@ -39,6 +39,7 @@ from pathlib import Path
 
 import plotting  # benchmarks/plotting.py, beside this script
 import torch
+from hostinfo import cpu_summary  # benchmarks/hostinfo.py
 
 from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
 from kvrelay.kv_transfer.base import KVCacheSpec
@@ -410,6 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NOTE: NIXL's INFO lines would cut the table
+    print(cpu_summary())
     print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
           "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "
           "verify_checksum; digest = security.block_digests alone")

@@ -8,7 +8,8 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 | `KVRELAY_CACHE_DIR` | `~/.cache/kvrelay` | converted models (`models/`) and other disk caches |
 | `KVRELAY_API_KEY`   | unset              | key `kvrelay serve` requires as `Authorization: Bearer` |
 | `KVRELAY_KV_SECRET` | unset              | P/D cluster secret (>= 16 chars); `secret_file` wins |
-| `KVRELAY_NATIVE_KERNELS` | `1`           | `0`: never compile/use the C decode-attention kernel |
+| `KVRELAY_NATIVE_KERNELS` | `1`           | `0`: never compile/use the native C kernels        |
+| `KVRELAY_NATIVE_ARCH` | `native`         | their build target: `native`, `haswell` (AVX2) or `generic` |
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from pathlib import Path
 
 _DEFAULT_CACHE_DIR = "~/.cache/kvrelay"
+NATIVE_ARCHS = ("native", "haswell", "generic")  # see kvrelay/model/native.py
 
 
 def cache_dir() -> Path:
@@ -38,3 +40,11 @@ def kv_secret() -> str | None:
 def native_kernels() -> bool:
     """Whether kvrelay may compile and use its native CPU kernels (`KVRELAY_NATIVE_KERNELS`, default on)."""
     return os.environ.get("KVRELAY_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def native_arch() -> str:
+    """The native kernels' build target (`KVRELAY_NATIVE_ARCH`, default `native`): one of NATIVE_ARCHS."""
+    raw = os.environ.get("KVRELAY_NATIVE_ARCH", "").strip().lower() or "native"
+    if raw not in NATIVE_ARCHS:
+        raise ValueError(f"KVRELAY_NATIVE_ARCH must be one of {', '.join(NATIVE_ARCHS)}, got {raw!r}")
+    return raw

@@ -49,7 +49,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t I, int nu
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *o = out + m * I;
         int64_t i = 0;
-        for (; i + 16 <= I; i += 16) store(o + i, silu(load(g + i)) * load(u + i));
+        for (; i + VLEN <= I; i += VLEN) store(o + i, silu(load(g + i)) * load(u + i));
         for (; i < I; i++) o[i] = silu1(g[i]) * u[i];
     }
 }

@@ -6,13 +6,22 @@
   limits. See `kvrelay/model/layers.py` for when it is used.
 - `elementwise.c`: residual add + RMSNorm, SiLU-and-multiply, rotary embedding and the KV cache
   write, each one call instead of several torch operators.
-`simd.h` holds the vector helpers they share.
+`simd.h` holds the vector helpers they share; its vectors are as wide as the target's registers
+(16 floats with AVX-512, 8 with AVX2, 4 otherwise), so one source serves every CPU.
 Whole decode steps with the kernels against the same steps without them: benchmarks/bench_kernels.py.
 
-Each shared library is built once per machine with the system C compiler (`$CC`, else `cc`) into
-`KVRELAY_CACHE_DIR/kernels/`, named by a hash of the source, the flags and the CPU, and written
-atomically (several processes may build it at once). No compiler, a failed build or
-`KVRELAY_NATIVE_KERNELS=0`: the kernel getters return None and callers use torch.
+Build target (`KVRELAY_NATIVE_ARCH`, or the `arch` argument of the getters):
+  native    `-march=native`: every feature of this CPU (the default)
+  haswell   `-march=haswell`: AVX2 + FMA, no AVX-512 (x86-64 only); what an AVX2-only CPU runs
+  generic   no `-march` at all: the compiler's baseline (SSE2 on x86-64), for any other compiler
+Each shared library is built once per target and machine with the system C compiler (`$CC`, else
+`cc`) into `KVRELAY_CACHE_DIR/kernels/`, named by a hash of the source, the flags and the CPU, and
+written atomically (several processes may build it at once).
+
+When a kernel is unavailable the getters return None and callers use torch: with
+`KVRELAY_NATIVE_KERNELS=0`, or with no C compiler (a warning). A compiler that rejects a kernel is a
+bug, not a missing capability: it is logged as an error with the compiler's message, and
+`build_kernel` raises it (the tests call that, so they fail instead of falling back).
 
 The libraries link OpenMP by soname (`libgomp.so.1`); torch has loaded its own copy under that
 name by then, so the kernels run on torch's thread pool, not a second one.
@@ -26,6 +35,8 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -38,30 +49,41 @@ from kvrelay import env
 
 logger = logging.getLogger(__name__)
 
-_DECODE_SOURCE = Path(__file__).with_name("paged_decode.c")
-_LINEAR_SOURCE = Path(__file__).with_name("linear.c")
-_ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")
+KERNELS = ("paged_decode", "linear", "elementwise")  # each a C file beside this module
 _HEADER = Path(__file__).with_name("simd.h")  # included by every source
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+_ARCH_FLAGS = {"native": ("-march=native",), "haswell": ("-march=haswell",), "generic": ()}
+assert set(_ARCH_FLAGS) == set(env.NATIVE_ARCHS)
+
+
+class KernelUnavailable(RuntimeError):
+    """A native kernel cannot be had here; the message says why."""
+
+
+class NoCompilerError(KernelUnavailable):
+    """No C compiler on this machine: the kernels cannot exist here, torch is used instead."""
+
+
+class KernelBuildError(KernelUnavailable):
+    """A C compiler exists but did not build a kernel: the message holds its error."""
 
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 
-def paged_decode_kernel() -> PagedDecode | None:
+def paged_decode_kernel(arch: str | None = None) -> PagedDecode | None:
     """The compiled kernel as `fn(q, kv_cache, block_tables, seq_lens, out, scale)`, or None.
 
     q [n, H*D] float32 (rows may be strided, elements contiguous); kv_cache [num_blocks, 2, Hkv,
     bs, D] contiguous; block_tables [n, max_blocks] int64; seq_lens [n] int64 (each >= 1, covered
-    by its table row); out [n, H*D] contiguous, overwritten. All on the CPU."""
-    return _load_paged_decode() if env.native_kernels() else None
+    by its table row); out [n, H*D] contiguous, overwritten. All on the CPU. `arch`: the build
+    target (module docstring), default `KVRELAY_NATIVE_ARCH`."""
+    return _load_paged_decode(arch or env.native_arch()) if env.native_kernels() else None
 
 
 @functools.cache
-def _load_paged_decode() -> PagedDecode | None:
-    try:
-        library = ctypes.CDLL(str(_build(_DECODE_SOURCE)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native paged decode kernel unavailable (%s); decode attention uses torch", exc)
+def _load_paged_decode(arch: str) -> PagedDecode | None:
+    library = _library_or_none("paged_decode", arch, "decode attention uses torch")
+    if library is None:
         return None
     fn = library.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -155,17 +177,16 @@ class NativeLinear:
         return out
 
 
-def linear_kernel() -> NativeLinear | None:
-    """The compiled `linear.c`, or None (see the module docstring)."""
-    return _load_linear() if env.native_kernels() else None
+def linear_kernel(arch: str | None = None) -> NativeLinear | None:
+    """The compiled `linear.c` for `arch` (default `KVRELAY_NATIVE_ARCH`), or None (see the
+    module docstring)."""
+    return _load_linear(arch or env.native_arch()) if env.native_kernels() else None
 
 
 @functools.cache
-def _load_linear() -> NativeLinear | None:
-    try:
-        library = ctypes.CDLL(str(_build(_LINEAR_SOURCE)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native linear kernel unavailable (%s); linear layers use torch only", exc)
+def _load_linear(arch: str) -> NativeLinear | None:
+    library = _library_or_none("linear", arch, "linear layers use torch only")
+    if library is None:
         return None
     fn = library.linear_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -266,42 +287,73 @@ def _need_f32(name: str, t: torch.Tensor, contiguous: bool) -> None:
                          f"got {t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
 
 
-def elementwise_kernels() -> Elementwise | None:
-    """The compiled `elementwise.c`, or None (see the module docstring)."""
-    return _load_elementwise() if env.native_kernels() else None
+def elementwise_kernels(arch: str | None = None) -> Elementwise | None:
+    """The compiled `elementwise.c` for `arch` (default `KVRELAY_NATIVE_ARCH`), or None (see the
+    module docstring)."""
+    return _load_elementwise(arch or env.native_arch()) if env.native_kernels() else None
 
 
 @functools.cache
-def _load_elementwise() -> Elementwise | None:
-    try:
-        library = ctypes.CDLL(str(_build(_ELEMENTWISE_SOURCE)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native elementwise kernels unavailable (%s); layers use torch operators", exc)
-        return None
-    return Elementwise(library)
+def _load_elementwise(arch: str) -> Elementwise | None:
+    library = _library_or_none("elementwise", arch, "layers use torch operators")
+    return None if library is None else Elementwise(library)
 
 
-def _build(source_path: Path) -> Path:
-    """Compile a kernel's C file into the cache (once per source, flags and CPU); return its path."""
-    compiler = os.environ.get("CC") or "cc"
+# ----------------------------------------------------------------------------- building
+def c_compiler() -> list[str] | None:
+    """The C compiler command (`$CC`, else `cc`) as an argument list, or None when not installed."""
+    command = shlex.split(os.environ.get("CC") or "cc")
+    return command if command and shutil.which(command[0]) else None
+
+
+def build_kernel(kernel: str, arch: str) -> Path:
+    """Compile `kernel` (one of KERNELS) for `arch` into the cache, once per source, flags and CPU;
+    return the library's path. Raises NoCompilerError or KernelBuildError (with the compiler's
+    error), ValueError for an unknown name."""
+    if kernel not in KERNELS or arch not in _ARCH_FLAGS:
+        raise ValueError(f"unknown native kernel {kernel!r} or target {arch!r}: kernels are {KERNELS}, "
+                         f"targets {tuple(_ARCH_FLAGS)}")
+    compiler = c_compiler()
+    if compiler is None:
+        raise NoCompilerError(f"no C compiler: {os.environ.get('CC') or 'cc'!r} is not installed (set CC)")
+    source_path = Path(__file__).with_name(f"{kernel}.c")
+    flags = (*_FLAGS, *_ARCH_FLAGS[arch])
     source = source_path.read_bytes() + _HEADER.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()]))
-    target = env.cache_dir() / "kernels" / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *flags]).encode(), _cpu_id()]))
+    target = env.cache_dir() / "kernels" / f"{kernel}-{arch}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(source_path), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=120)
+        command = [*compiler, *flags, str(source_path), "-o", tmp, "-lm"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise KernelBuildError(f"{' '.join(command)} failed to run: {exc}") from exc
         if done.returncode != 0:
-            raise OSError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+            hint = " (KVRELAY_NATIVE_ARCH=generic builds without -march)" if arch != "generic" else ""
+            raise KernelBuildError(f"{' '.join(command)} exited with {done.returncode}{hint}:\n"
+                                   f"{done.stderr.strip()[-3000:]}")
         os.replace(tmp, target)  # atomic: a concurrent builder's identical file may win, that is fine
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _library_or_none(kernel: str, arch: str, fallback: str) -> ctypes.CDLL | None:
+    """The loaded library, or None with the reason logged: a warning without a compiler, an error
+    (with the compiler's message) when one is there and failed."""
+    try:
+        return ctypes.CDLL(str(build_kernel(kernel, arch)))
+    except NoCompilerError as exc:
+        logger.warning("native %s kernel unavailable (%s); %s", kernel, exc, fallback)
+    except (KernelBuildError, OSError) as exc:
+        logger.error("native %s kernel for target %r did not build or load; %s. This is a bug, please "
+                     "report it: %s", kernel, arch, fallback, exc)
+    return None
 
 
 def _cpu_id() -> bytes:
@@ -313,3 +365,33 @@ def _cpu_id() -> bytes:
     except OSError:
         pass
     return f"{platform.machine()}|{flags}".encode()
+
+
+# ----------------------------------------------------------------------------- what is active
+def active_kernels(arch: str | None = None) -> str:
+    """One line for logs and benchmark tables: which native kernels are in use and how they were
+    built, e.g. "paged_decode, linear, elementwise (target native, 16-float vectors)". Builds
+    them if need be (the first step would)."""
+    if not env.native_kernels():
+        return "none (KVRELAY_NATIVE_KERNELS=0): torch everywhere"
+    arch = arch or env.native_arch()
+    getters: dict[str, Callable[[str], object]] = {
+        "paged_decode": paged_decode_kernel, "linear": linear_kernel, "elementwise": elementwise_kernels}
+    active = [name for name, getter in getters.items() if getter(arch) is not None]
+    if not active:
+        return f"none (target {arch}: see the log for why): torch everywhere"
+    widths = sorted({ctypes.CDLL(str(build_kernel(name, arch))).kvrelay_vector_floats() for name in active})
+    inactive = [name for name in getters if name not in active]
+    return (f"{', '.join(active)} (target {arch}, {'/'.join(map(str, widths))}-float vectors)"
+            + (f"; torch for {', '.join(inactive)}" if inactive else ""))
+
+
+def log_active_kernels(device: torch.device) -> None:
+    """Logs `active_kernels()` once per process (and per answer) when the model runs on the CPU."""
+    if device.type == "cpu":
+        _log_once(f"native CPU kernels: {active_kernels()}")
+
+
+@functools.cache
+def _log_once(line: str) -> None:
+    logger.info(line)

@@ -23,16 +23,16 @@
 #include "simd.h"
 
 
-/* scores[i] = q . k_i for `rows` rows of `k` ([rows, D]); C = D / 16, or 0 when D is not a
- * multiple of 16 (then the plain loop, which the compiler vectorizes as it can). */
+/* scores[i] = q . k_i for `rows` rows of `k` ([rows, D]); C = D / VLEN, or 0 when D is not a
+ * multiple of VLEN (then the plain loop, which the compiler vectorizes as it can). */
 static inline void row_dots(int64_t C, int64_t D, const float *q, const float *k, int64_t rows,
                             float *scores) {
     if (C) {
         vf qv[C];
-        for (int64_t c = 0; c < C; c++) qv[c] = load(q + 16 * c);
+        for (int64_t c = 0; c < C; c++) qv[c] = load(q + VLEN * c);
         for (int64_t i = 0; i < rows; i++, k += D) {
             vf acc = qv[0] * load(k);
-            for (int64_t c = 1; c < C; c++) acc += qv[c] * load(k + 16 * c);
+            for (int64_t c = 1; c < C; c++) acc += qv[c] * load(k + VLEN * c);
             scores[i] = hsum(acc);
         }
         return;
@@ -50,10 +50,10 @@ static inline void weighted_rows(int64_t C, int64_t D, float *acc, float scale, 
                                  const float *v, int64_t rows) {
     if (C) {
         vf a[C];
-        for (int64_t c = 0; c < C; c++) a[c] = load(acc + 16 * c) * scale;
+        for (int64_t c = 0; c < C; c++) a[c] = load(acc + VLEN * c) * scale;
         for (int64_t i = 0; i < rows; i++, v += D)
-            for (int64_t c = 0; c < C; c++) a[c] += p[i] * load(v + 16 * c);
-        for (int64_t c = 0; c < C; c++) store(acc + 16 * c, a[c]);
+            for (int64_t c = 0; c < C; c++) a[c] += p[i] * load(v + VLEN * c);
+        for (int64_t c = 0; c < C; c++) store(acc + VLEN * c, a[c]);
         return;
     }
     for (int64_t d = 0; d < D; d++) acc[d] *= scale;
@@ -72,7 +72,7 @@ static inline float online_softmax(float *scores, int64_t rows, float *top, floa
     vf vsum = {0};
     float sum = 0.0f;
     int64_t i = 0;
-    for (; i + 16 <= rows; i += 16) {
+    for (; i + VLEN <= rows; i += VLEN) {
         const vf e = exp_nonpositive(load(scores + i) - new_top);
         store(scores + i, e);
         vsum += e;
@@ -90,7 +90,7 @@ static inline void attend(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
     float scale)
 {
-    const int64_t D = C ? 16 * C : head_dim, group = num_heads / num_kv_heads;
+    const int64_t D = C ? VLEN * C : head_dim, group = num_heads / num_kv_heads;
     const int64_t heads = (h1 - h0) * group, first = h0 * group;  /* this item's query heads */
     const int64_t slice = block_size * D;                      /* floats of one head's K (or V) */
     const int64_t block_stride = 2 * num_kv_heads * slice;
@@ -115,7 +115,7 @@ static inline void attend(
         const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t line = 0; line < 4; line++) {
-                __builtin_prefetch(next + h * slice + 16 * line);
+                __builtin_prefetch(next + h * slice + 16 * line);  /* 16 floats: a cache line */
                 __builtin_prefetch(next + (num_kv_heads + h) * slice + 16 * line);
             }
         for (int64_t h = h0; h < h1; h++)
@@ -167,9 +167,9 @@ void paged_decode_f32(
 #define ATTEND(C) attend(C, q, q_row_stride, kv, block_tables, seq_lens, out, work, s, h0, h1, num_heads, \
                          num_kv_heads, head_dim, block_size, max_blocks, scale)
             switch (head_dim) {  /* a constant C unrolls the vector loops */
-                case 64: ATTEND(4); break;
-                case 128: ATTEND(8); break;
-                default: ATTEND(head_dim % 16 ? 0 : head_dim / 16);
+                case 64: ATTEND(64 / VLEN); break;
+                case 128: ATTEND(128 / VLEN); break;
+                default: ATTEND(head_dim % VLEN ? 0 : head_dim / VLEN);
             }
 #undef ATTEND
         }

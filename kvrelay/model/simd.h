@@ -1,29 +1,112 @@
 /* Vector helpers shared by the native kernels (the .c files beside it), which include this file; the
- * build key in kvrelay/model/native.py covers it. */
+ * build key in kvrelay/model/native.py covers it.
+ *
+ * One source serves every target: `vf` is as wide as the widest float registers the compiler was
+ * told it may use (-march=...), so each vector operation is one instruction there:
+ *   AVX-512 (__AVX512F__)   16 lanes, 32 registers
+ *   AVX / AVX2              8 lanes, 16 registers
+ *   anything else           4 lanes (x86-64's baseline SSE2, NEON, ...), 16 or 32 registers
+ * A vector wider than the registers would be split by the compiler into several (correct, but it
+ * defeats register tiling, and an asm operand cannot name it at all), so nothing here assumes
+ * a width: loops step by VLEN, and sizes a kernel needs (K % 16 in linear.c) are multiples of
+ * every VLEN. */
 #ifndef KVRELAY_SIMD_H
 #define KVRELAY_SIMD_H
 
 #include <stdint.h>
-#include <string.h>
 
-/* 16 floats, the unit of the vector code; GCC and Clang lower it to AVX-512, AVX2, NEON, ... */
-typedef float vf __attribute__((vector_size(64), aligned(4)));
+#if defined(__AVX512F__)
+#define VLEN 16
+#elif defined(__AVX__)
+#define VLEN 8
+#else
+#define VLEN 4
+#endif
+
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define VREGS 32 /* vector registers the tiles may plan for */
+#else
+#define VREGS 16
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VLEN), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VLEN), aligned(4)));
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 typedef float vf4 __attribute__((vector_size(16), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
 
-static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+/* Which variant this library is, for kvrelay/model/native.py's start-up log: floats per vector. */
+__attribute__((visibility("default"))) int kvrelay_vector_floats(void) { return VLEN; }
+
+/* Pins a vector to a register at this point: without it the compiler may fold the vector's load
+ * into each arithmetic instruction that uses it (one load per use instead of one). */
+#if defined(__x86_64__) || defined(__i386__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+w"(v))
+#else
+#define KEEP_IN_REGISTER(v) ((void)0)
+#endif
+
+/* Unaligned loads and stores through a may_alias type, as the compilers' own intrinsics do it (a
+ * memcpy of 32 bytes is lowered to two 16-byte moves and a trip through the stack by some
+ * -mtune settings, haswell's among them). */
+typedef float vf_unaligned __attribute__((vector_size(4 * VLEN), aligned(4), may_alias));
+typedef float vf4_unaligned __attribute__((vector_size(16), aligned(4), may_alias));
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf v) { *(vf_unaligned *)p = v; }
 static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf4 load4(const float *p) { return *(const vf4_unaligned *)p; }
+static inline void store4(float *p, vf4 v) { *(vf4_unaligned *)p = v; }
 
-static inline float hsum(vf v) {  /* halves added pairwise (a scalar loop would be 15 serial adds) */
-    vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-           + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+/* Reductions. sums4 gives the lane sums of four vectors as one 4-vector: halves of pairs of
+ * vectors are added together, so the four reductions share their shuffles (with 16 lanes, 5 rounds
+ * of shuffles and adds instead of 4 x 4). Shuffle indices count across both operands. */
+#if VLEN == 16
+static inline vf4 fold4(vf v) {  /* lanes i, i+4, i+8 and i+12 added */
+    const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+                + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+}
+static inline vf4 sums4(vf a, vf b, vf c, vf d) {
+    const vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                + __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* ab: 8 partial sums of a, then 8 of b; cd likewise. Now 4 of each of a, b, c, d: */
+    const vf q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf8 h = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13)
+                + __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);  /* 2 of each */
+    return __builtin_shufflevector(h, h, 0, 2, 4, 6) + __builtin_shufflevector(h, h, 1, 3, 5, 7);
+}
+#elif VLEN == 8
+static inline vf4 fold4(vf v) {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+}
+static inline vf4 sums4(vf a, vf b, vf c, vf d) {
+    const vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11)
+                + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);  /* 4 of a, then 4 of b */
+    const vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11)
+                + __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf h = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13)
+               + __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);  /* 2 of each */
+    return __builtin_shufflevector(h, h, 0, 2, 4, 6) + __builtin_shufflevector(h, h, 1, 3, 5, 7);
+}
+#else
+static inline vf4 fold4(vf v) { return v; }
+static inline vf4 sums4(vf a, vf b, vf c, vf d) {
+    const vf ab = __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+    const vf cd = __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
+    return __builtin_shufflevector(ab, cd, 0, 2, 4, 6) + __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+}
+#endif
+
+static inline float hsum(vf v) {  /* halves added pairwise (a scalar loop would be VLEN-1 serial adds) */
+    const vf4 h4 = fold4(v);
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
-/* exp(x) for x <= 0 on 16 lanes: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
+/* exp(x) for x <= 0 on every lane: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
  * polynomial (relative error ~1e-7), times 2^k built in the exponent bits. Below -87 the result is
  * clamped to exp(-87) ~ 1.6e-38, i.e. zero weight. */
 static inline vf exp_nonpositive(vf x) {
@@ -42,8 +125,8 @@ static inline vf exp_nonpositive(vf x) {
     return p * (vf)((ki + 127) << 23);  /* times 2^k */
 }
 static inline float exp1(float x) { return exp_nonpositive(splat(x))[0]; }
-/* x * sigmoid(x) on 16 lanes: sigmoid is 1 / (1 + e^-x) for x >= 0 and e^x / (1 + e^x) below, so
- * the exponential is always of -|x| and never overflows. */
+/* x * sigmoid(x) on every lane: sigmoid is 1 / (1 + e^-x) for x >= 0 and e^x / (1 + e^x) below,
+ * so the exponential is always of -|x| and never overflows. */
 static inline vf silu(vf x) {
     const vi negative = x < 0.0f;
     const vf e = exp_nonpositive((vf)((vi)x | ((vi){0} + INT32_MIN)));  /* e^-|x|: sign bit set */
@@ -51,8 +134,5 @@ static inline vf silu(vf x) {
     return x * numerator / (1.0f + e);
 }
 static inline float silu1(float x) { return silu(splat(x))[0]; }
-
-static inline vf4 load4(const float *p) { vf4 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store4(float *p, vf4 v) { memcpy(p, &v, sizeof v); }
 
 #endif

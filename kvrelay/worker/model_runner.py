@@ -18,6 +18,7 @@ import torch
 from kvrelay.core.sched_output import SchedulerOutput
 from kvrelay.model.attention import build_attention_metadata
 from kvrelay.model.llama import CausalLM
+from kvrelay.model.native import log_active_kernels
 from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
@@ -62,6 +63,7 @@ class ModelRunner:
         self.connector = connector  # worker-side KV connector, or None
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches = self._allocate_kv_caches(num_blocks, torch_dtype(dtype))
+        log_active_kernels(device)  # which native CPU kernels serve this model, once per process
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
 

@@ -11,6 +11,7 @@ from kvrelay.model import native
 from kvrelay.model.attention import Attention, build_attention_metadata
 from kvrelay.model.native import paged_decode_kernel
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context
+from tests.model.kernels import ARCHS, require_kernel
 
 H, HKV, D, BS = 4, 2, 8, 4
 
@@ -135,48 +136,52 @@ def scattered_decode(
     return out, torch.cat(expected)
 
 
-@pytest.mark.parametrize("native", [True, False])
+def use_native_decode(arch: str, monkeypatch: pytest.MonkeyPatch) -> native.PagedDecode:
+    """Attention layers will decode with the kernel built for `arch` (a build failure fails the test)."""
+    monkeypatch.setenv("KVRELAY_NATIVE_ARCH", arch)
+    return require_kernel("paged_decode", arch, native.paged_decode_kernel)
+
+
+@pytest.mark.parametrize("route", ["torch", *ARCHS])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 24), (2, 1, 64)]
 )
 def test_decode_over_scattered_blocks_matches_reference(
-    native: bool, num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+    route: str, num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "1" if native else "0")
-    if native and paged_decode_kernel() is None:
-        pytest.skip("no C compiler here: the native kernel is unavailable")
+    """head_dim 24: a multiple of the 8-float vectors of AVX2 but not of AVX-512's 16 (scalar loop)."""
+    monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0" if route == "torch" else "1")
+    if route != "torch":
+        use_native_decode(route, monkeypatch)
     lens = [1, 15, 16, 17, 40, 300]  # one token, inside a block, at and across block edges, long
     out, expected = scattered_decode(num_heads, num_kv_heads, head_dim, lens)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_native_decode_handles_peaked_softmax() -> None:
+def test_native_decode_handles_peaked_softmax(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Scores far apart: most weights underflow to zero, as in a model attending to one token.
-    if paged_decode_kernel() is None:
-        pytest.skip("no C compiler here: the native kernel is unavailable")
+    use_native_decode(arch, monkeypatch)
     out, expected = scattered_decode(9, 3, 64, [5, 70, 129], sharpness=40.0)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_seqs", [3, 40])
-def test_native_decode_any_block_size_and_batch(block_size: int, num_seqs: int) -> None:
+def test_native_decode_any_block_size_and_batch(block_size: int, num_seqs: int, arch: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     # The kernel splits a small batch by KV head and takes whole sequences in a large one; a block
-    # is scored 16 rows at a time with a remainder (8: remainder only, 32: two full runs).
-    if paged_decode_kernel() is None:
-        pytest.skip("no C compiler here: the native kernel is unavailable")
+    # is scored a vector's worth of rows (16, 8 or 4) at a time, with a remainder.
+    use_native_decode(arch, monkeypatch)
     lens = [1 + (37 * i) % 150 for i in range(num_seqs)]
     out, expected = scattered_decode(9, 3, 64, lens, block_size=block_size)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_native_decode_rescales_when_a_later_block_holds_the_maximum() -> None:
+def test_native_decode_rescales_when_a_later_block_holds_the_maximum(arch: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # The softmax runs online, block by block: a larger score in a later block must shrink the
     # weights accumulated so far. Keys grow along the context, so each block beats the last.
-    if paged_decode_kernel() is None:
-        pytest.skip("no C compiler here: the native kernel is unavailable")
-    kernel = paged_decode_kernel()
-    assert kernel is not None
+    kernel = use_native_decode(arch, monkeypatch)
     block_size, head_dim, seq_len = 16, 64, 100
     blocks = -(-seq_len // block_size)
     cache = torch.zeros(blocks, 2, 1, block_size, head_dim)
@@ -191,7 +196,7 @@ def test_native_decode_rescales_when_a_later_block_holds_the_maximum() -> None:
     torch.testing.assert_close(out[0], weights @ values[:seq_len], atol=2e-5, rtol=2e-5)
 
 
-def test_native_kernel_off_or_unbuildable_falls_back_to_torch(
+def test_native_kernel_off_or_without_compiler_falls_back_to_torch(
     monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0")
@@ -203,7 +208,7 @@ def test_native_kernel_off_or_unbuildable_falls_back_to_torch(
     try:
         with caplog.at_level("WARNING"):
             assert paged_decode_kernel() is None
-        assert "decode attention uses torch" in caplog.text
+        assert "no C compiler" in caplog.text and "decode attention uses torch" in caplog.text
         out, expected = scattered_decode(4, 2, 64, [3, 33])  # and attention still works
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     finally:
@@ -211,9 +216,7 @@ def test_native_kernel_off_or_unbuildable_falls_back_to_torch(
 
 
 def test_native_kernel_rejects_a_layout_it_would_misread() -> None:
-    kernel = paged_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler here: the native kernel is unavailable")
+    kernel = require_kernel("paged_decode", "native", native.paged_decode_kernel)
     cache = torch.zeros(8, 2, 2, 16, 64)
     q, out = torch.zeros(3, 4 * 64), torch.zeros(3, 4 * 64)
     tables, lens = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, dtype=torch.int64)
@@ -228,9 +231,8 @@ def test_native_kernel_rejects_a_layout_it_would_misread() -> None:
         kernel(torch.zeros(4 * 64, 3).t(), cache, tables, lens, out, 0.125)
 
 
-def test_decode_refuses_a_block_id_outside_the_cache() -> None:
-    if paged_decode_kernel() is None:
-        pytest.skip("no C compiler here: the native kernel is unavailable")
+def test_decode_refuses_a_block_id_outside_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_native_decode("native", monkeypatch)
     attn = Attention("layer", 4, 2, 64, scale=0.125)
     attn.kv_cache = torch.zeros(4, 2, 2, 16, 64)
     meta = build_attention_metadata([1], [20], [[1, 9]], 16, torch.device("cpu"))  # block 9 of 4
@@ -239,9 +241,9 @@ def test_decode_refuses_a_block_id_outside_the_cache() -> None:
             attn._decode(torch.zeros(1, 4 * 64), meta.decode, meta)
 
 
-def test_kv_write_refuses_a_slot_outside_the_cache() -> None:
-    if native.elementwise_kernels() is None:
-        pytest.skip("no C compiler here: the native KV write is unavailable")
+def test_kv_write_refuses_a_slot_outside_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRELAY_NATIVE_ARCH", "native")
+    require_kernel("elementwise", "native", native.elementwise_kernels)
     attn = Attention("layer", 4, 2, 64, scale=0.125)
     attn.kv_cache = torch.zeros(4, 2, 2, 16, 64)
     meta = build_attention_metadata([2], [20], [[1, 9]], 16, torch.device("cpu"))  # slots in block 9 of 4

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from kvrelay.model import layers, native
 from kvrelay.model.layers import Linear, linear
+from tests.model.kernels import require_kernel
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 200])
@@ -40,15 +41,8 @@ def test_linear_module_is_a_drop_in_nn_linear() -> None:
 
 
 # ----------------------------------------------------------------------------- native kernels
-def native_or_skip() -> native.NativeLinear:
-    kernel = native.linear_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler here: the native linear kernel is unavailable")
-    return kernel
-
-
 def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = native_or_skip()
+    kernel = require_kernel("linear", "native", native.linear_kernel)
     calls: list[int] = []
 
     class Spy:
@@ -69,7 +63,7 @@ def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pyte
     assert calls == [3, 64, 512]
 
 
-def test_native_linear_off_or_unbuildable_falls_back_to_torch(
+def test_native_linear_off_or_without_compiler_falls_back_to_torch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0")

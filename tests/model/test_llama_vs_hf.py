@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.model import native
 from kvrelay.model.llama import build_model
 from kvrelay.model.spec import ModelSpec
+from tests.model.kernels import require_kernel
 from tests.model.tiny import FAMILIES, PagedDriver, build_from_hf, hf_logits, hf_tiny_model
 
 pytest.importorskip("transformers")
@@ -144,4 +146,16 @@ def test_torch_fallbacks_match_hf(models, monkeypatch: pytest.MonkeyPatch) -> No
     """The same mixed batch with every native kernel off: the torch routes of linear, the norms,
     SiLU, rotary, the KV write and decode attention."""
     monkeypatch.setenv("KVRELAY_NATIVE_KERNELS", "0")
+    test_mixed_batch_matches_hf(models)
+
+
+@pytest.mark.parametrize("arch", ["haswell", "generic"])
+def test_avx2_and_generic_kernels_match_hf(  # type: ignore[no-untyped-def]
+        models, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same mixed batch with every native kernel built for AVX2 (no AVX-512) or for the
+    compiler's baseline, whatever this CPU: what an AVX2-only machine runs, end to end."""
+    monkeypatch.setenv("KVRELAY_NATIVE_ARCH", arch)
+    for kernel, getter in (("paged_decode", native.paged_decode_kernel), ("linear", native.linear_kernel),
+                           ("elementwise", native.elementwise_kernels)):
+        require_kernel(kernel, arch, getter)
     test_mixed_batch_matches_hf(models)
