@@ -143,7 +143,9 @@ def _add_plan_parser(sub: Any) -> None:
                    help="P->D link GB/s (overrides the profile)")
     m.add_argument("--link-scope", default="per-prefill", help="per-prefill (default), per-pair or shared")
     o = p.add_argument_group("output")
-    o.add_argument("--plot", default=None, help="write the attainment-vs-rate plot here (needs matplotlib)")
+    o.add_argument("--plot", default=None,
+                   help="write the attainment-vs-rate plot here: FILE.svg (no dependency), "
+                        "or .png/.pdf (needs matplotlib)")
     o.add_argument("--json-out", default=None)
     p.set_defaults(func=cmd_plan)
 
@@ -161,10 +163,14 @@ def load_workload(args: argparse.Namespace) -> Any:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     workload = load_workload(args)
+    if args.plot and args.latency_model == "distserve":
+        raise ValueError("--plot draws kvrelay's simulator's attainment; DistServe mode has no plot")
     if args.latency_model == "distserve":
         return _plan_distserve(args, workload)
     from kvrelay.disagg.planner.plan import (
+        check_plot_path,
         check_profiles,
+        fill_curves,
         plot_attainment,
         print_report,
         run_plan,
@@ -181,6 +187,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile, **engine_args)  # type: ignore[arg-type]
     pd_profile = load_profile(args.pd_profile, **engine_args) if args.pd_profile else None  # type: ignore[arg-type]
     check_profiles(profile, pd_profile)
+    if args.plot:
+        check_plot_path(args.plot)
+        if args.needed_only:
+            raise ValueError("--plot needs the goodput search: drop --needed-only")
     slo = SLO(args.ttft_slo, args.tpot_slo, args.percentile)
     sim = SimOptions(prefix_cache=not args.no_prefix_cache,
                      max_num_batched_tokens=args.max_num_batched_tokens,
@@ -195,6 +205,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print_report(report, f"plan: {profile.model} ({profile.source}), workload {workload.name}: "
                          f"{len(workload.requests)} requests, "
                          f"prefix reuse {'off' if args.no_prefix_cache else 'on'}")
+    if args.plot:
+        fill_curves(search, report)  # before the JSON, so it holds every plotted point
     if args.json_out:
         write_plan_json(report, args.json_out)
     if args.plot:

@@ -22,6 +22,7 @@ from kvrelay.disagg.planner.profile import (
 )
 from kvrelay.disagg.planner.search import Goodput, GoodputSearch, cluster_shapes, smallest_meeting
 from kvrelay.disagg.planner.sim import SLO, ClusterSpec
+from kvrelay.disagg.planner.svgplot import Series, line_chart_svg
 from kvrelay.disagg.planner.workload import Workload
 
 
@@ -139,31 +140,71 @@ def write_json(report: PlanReport, path: str) -> None:
     Path(path).write_text(json.dumps(report.to_json(), indent=1, default=str) + "\n")
 
 
-def plot_attainment(report: PlanReport, path: str) -> bool:
-    """Share of requests within both SLOs against the offered rate, one line per shape."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plan: matplotlib is not installed (pip install 'kvrelay[bench]'); no plot written")
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4))
+PLOT_SUFFIXES = (".svg", ".png", ".pdf")
+CURVE_POINTS = 8  # extra rates simulated per shape for the plot, log-spaced around its goodput
+
+
+def check_plot_path(path: str) -> None:
+    """Refuse a --plot file that cannot be written before the search runs (minutes), not after."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {path}: the file must end in {', '.join(PLOT_SUFFIXES)} "
+                         "(.svg needs no extra package)")
+    if suffix != ".svg":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--plot {path} needs matplotlib, which is not installed: "
+                             "pip install 'kvrelay[bench]', or write an SVG (--plot plan.svg)") from None
+
+
+def fill_curves(search: GoodputSearch, report: PlanReport, num: int = CURVE_POINTS) -> None:
+    """Add `num` log-spaced rates per shape, from a quarter of its goodput (or of the lowest rate
+    tried) to twice it, so the plotted curve shows where attainment falls, not only the
+    bisection's points."""
     for g in report.results:
-        points = sorted(g.points, key=lambda p: p.rate)
-        ax.plot([p.rate for p in points], [p.share_in_slo for p in points], "-o", ms=3, label=g.cluster.label)
-    ax.axhline(report.slo.percentile / 100, color="grey", ls=":", lw=1)
+        centre = g.goodput if g.goodput > 0 else min((p.rate for p in g.points), default=1.0)
+        lo, hi = math.log(centre / 4), math.log(centre * 2)
+        for k in range(num):
+            rate = math.exp(lo + (hi - lo) * k / (num - 1))
+            if all(abs(p.rate - rate) > 0.02 * rate for p in g.points):
+                g.points.append(search.check(g.cluster, rate))
+        g.points.sort(key=lambda p: p.rate)
+
+
+def plot_attainment(report: PlanReport, path: str) -> None:
+    """Share of requests within both SLOs against the offered rate, one line per shape: SVG
+    written here (no dependency), PNG or PDF with matplotlib."""
+    slo = report.slo
+    title = (f"SLO attainment: p{slo.percentile:g} TTFT <= {slo.ttft_s:g} s, "
+             f"TPOT <= {slo.tpot_s * 1e3:g} ms")
+    series = [Series(g.cluster.label, [(p.rate, p.share_in_slo) for p in g.points]) for g in report.results]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if Path(path).suffix.lower() == ".svg":
+        Path(path).write_text(line_chart_svg(series, title, "request rate (req/s, log scale)",
+                                             "share of requests within both SLOs", slo.percentile / 100))
+    else:
+        _plot_matplotlib(series, title, slo.percentile / 100, path)
+    print(f"plot written to {path}")
+
+
+def _plot_matplotlib(series: list[Series], title: str, target: float, path: str) -> None:
+    check_plot_path(path)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in series:
+        ax.plot([x for x, _ in s.points], [y for _, y in s.points], "-o", ms=3, label=s.label)
+    ax.axhline(target, color="grey", ls=":", lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("share of requests within both SLOs")
-    ax.set_title(f"SLO attainment (TTFT {report.slo.ttft_s:g} s, TPOT {report.slo.tpot_s * 1e3:g} ms)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    print(f"plot written to {path}")
-    return True
 
 
 # ----------------------------------------------------------------------------- DistServe mode

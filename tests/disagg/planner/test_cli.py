@@ -107,3 +107,34 @@ def test_profile_command_writes_a_profile_plan_reads(tmp_path: Path) -> None:
 def test_profile_command_refuses_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "--backends", "rdma", "--quick"]) == 2
     assert "unknown transfer backend 'rdma'" in capsys.readouterr().err
+
+
+def test_plan_plot_svg_has_a_curve_per_shape(hand_profile_path: str, tmp_path: Path) -> None:
+    from kvrelay.disagg.planner.plan import CURVE_POINTS
+    from tests.disagg.planner.test_svgplot import polyline_points
+
+    rows = [{"timestamp": 1000 * i, "input_length": 200, "output_length": 8} for i in range(30)]
+    trace = write_trace(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "plots" / "plan.svg"
+    rc = main(["plan", "--profile", hand_profile_path, "--trace", trace, "--configs", "1,1P1D",
+               "--ttft-slo", "0.5", "--tpot-slo", "0.05", "--plot", str(out)])
+    assert rc == 0
+    lines = polyline_points(out.read_text())
+    assert list(lines) == ["1x colocated", "1P1D"]
+    assert all(len(points) >= CURVE_POINTS for points in lines.values())
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--plot", "plan.txt"], "must end in .svg, .png, .pdf"),
+    (["--plot", "plan.png"], "needs matplotlib, which is not installed"),
+    (["--plot", "plan.svg", "--needed-only", "--rate", "1"], "drop --needed-only"),
+    (["--plot", "plan.svg", "--latency-model", "distserve"], "DistServe mode has no plot"),
+])
+def test_plot_errors_come_before_the_search(extra: list[str], message: str, hand_profile_path: str,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    rc = main(["plan", "--profile", hand_profile_path, "--num-requests", "5", *extra])
+    captured = capsys.readouterr()
+    assert rc == 2 and message in captured.err, captured.err
+    assert "plan: 1x colocated" not in captured.err  # refused before any shape was searched
