@@ -64,7 +64,8 @@ def line_chart_svg(series: Sequence[Series], title: str, x_label: str, y_label: 
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
            f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="11">',
            f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-           f'<text x="{LEFT + plot_w / 2:.1f}" y="20" text-anchor="middle" font-size="13">{escape(title)}</text>']
+           f'<text x="{LEFT + plot_w / 2:.1f}" y="20" text-anchor="middle" font-size="13">'
+           f'{escape(title)}</text>']
     out += _axes(px, py, lo, hi, plot_w, plot_h, x_label, y_label)
     if target_y is not None:
         out.append(f'<line x1="{LEFT}" y1="{py(target_y):.1f}" x2="{LEFT + plot_w}" y2="{py(target_y):.1f}" '

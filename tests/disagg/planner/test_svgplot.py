@@ -17,7 +17,8 @@ def polyline_points(svg: str) -> dict[str, list[tuple[float, float]]]:
     for group in root.iterfind("s:g", NS):
         line = group.find("s:polyline", NS)
         assert line is not None
-        out[group.attrib["data-label"]] = [tuple(map(float, p.split(","))) for p in line.attrib["points"].split()]
+        coords = line.attrib["points"].split()
+        out[group.attrib["data-label"]] = [tuple(map(float, p.split(","))) for p in coords]
     return out  # type: ignore[return-value]
 
 
