@@ -10,6 +10,7 @@ kvrelay profile JSON (format "kvrelay-profile", version 1), all times in millise
      "gpus_per_instance": 1,
      "prefill": {"intercept_ms": a, "per_token_ms": b, "per_seq_ms": c, "per_kpair_ms": d},
      "decode":  {"intercept_ms": a, "per_token_ms": b, "per_seq_ms": 0, "per_kpair_ms": d},
+     "decode_by_batch": {"1": ms, "2": ms, "3": ms, ...},
      "transfer": {"tcp": {"latency_ms": l, "ms_per_mib": m}, "nixl": {...}},
      "overhead_ms": {"request": r, "pd_hop": h, "step": s},
      "samples": {"prefill": [{"batch_tokens", "num_seqs", "prefix_tokens", "kpairs", "ms"}],
@@ -24,7 +25,11 @@ tokens after c_i already in its KV cache, costs
 (K counts query-key pairs of causal attention, in thousands), with the `prefill` coefficients
 when any sequence computes prompt tokens and the `decode` ones when every n_i is 1, plus
 `overhead_ms.step` (what a served step costs beyond the engine's: the server loop, streaming;
-0 unless calibrated). A transfer
+0 unless calibrated). When the profile has `decode_by_batch` (the measured cost of a decode step
+of B sequences without the context term, per batch size sampled), a pure decode step costs
+that, interpolated linearly between the sampled batch sizes, plus `per_kpair * K`: the engine
+multiplies 1-2 rows and 3+ rows by different routes (kvrelay.model.layers.linear), so a decode
+step of 3 sequences can be cheaper than one of 2, which no line through (B, ms) can say. A transfer
 of X bytes costs latency + ms_per_mib * X / 2**20 on the chosen backend.
 
 DistServe's format ({model: {tp: {prefill, decoding_smallbs, decoding_largebs, threshold}}}) is
@@ -33,6 +38,7 @@ read too; its latency formulas are in `distserve_prefill_ms` and `distserve_deco
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 from collections.abc import Sequence
@@ -121,6 +127,8 @@ class Profile:
     machine: dict[str, Any] = field(default_factory=dict)
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     distserve: DistServeCoeffs | None = None  # set when read from DistServe's format
+    # ms of a decode step of B sequences, less its per_kpair term, per sampled B (empty: the fit)
+    decode_by_batch: dict[int, float] = field(default_factory=dict)
     source: str = "measured"
 
     @property
@@ -150,8 +158,29 @@ class Profile:
         num_seqs = len(chunks) + len(decode_contexts)
         if not num_seqs:
             return 0.0
-        fit = self.prefill if chunks else self.decode
-        return max(0.0, fit.predict_ms(num_tokens, num_seqs, pairs)) + self.overhead_ms.get("step", 0.0)
+        if chunks:
+            engine_ms = self.prefill.predict_ms(num_tokens, num_seqs, pairs)
+        elif self.decode_by_batch:
+            engine_ms = self.decode_base_ms(num_seqs) + self.decode.per_kpair_ms * pairs
+        else:
+            engine_ms = self.decode.predict_ms(num_tokens, num_seqs, pairs)
+        return max(0.0, engine_ms) + self.overhead_ms.get("step", 0.0)
+
+    def decode_base_ms(self, batch: int) -> float:
+        """A decode step of `batch` sequences without its context term, from `decode_by_batch`:
+        linear between the sampled sizes, the smallest's below them, and beyond the largest its
+        value plus the fit's per-sequence slope."""
+        assert self.decode is not None and self.decode_by_batch
+        sizes = sorted(self.decode_by_batch)
+        table = self.decode_by_batch
+        if batch <= sizes[0]:
+            return table[sizes[0]]
+        if batch >= sizes[-1]:
+            slope = self.decode.per_token_ms + self.decode.per_seq_ms
+            return table[sizes[-1]] + slope * (batch - sizes[-1])
+        hi = bisect.bisect_left(sizes, batch)
+        b0, b1 = sizes[hi - 1], sizes[hi]
+        return table[b0] + (table[b1] - table[b0]) * (batch - b0) / (b1 - b0)
 
     def transfer_ms(self, num_bytes: float, backend: str) -> float:
         if backend not in self.transfer:
@@ -166,6 +195,7 @@ class Profile:
                              "as a kvrelay profile")
         out = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION}
         out.update({k: v for k, v in asdict(self).items() if k not in ("distserve", "source")})
+        out["decode_by_batch"] = {str(b): ms for b, ms in sorted(self.decode_by_batch.items())}
         return out
 
     def save(self, path: str | Path) -> None:
@@ -203,11 +233,25 @@ def profile_from_json(obj: Any, where: str = "profile") -> Profile:
                 for name, fit in (obj.get("transfer") or {}).items()}
     return Profile(model=str(obj["model"]), engine={k: int(v) for k, v in engine.items()},
                    prefill=fits["prefill"], decode=fits["decode"], transfer=transfer,
+                   decode_by_batch=_by_batch(obj.get("decode_by_batch") or {}, where),
                    overhead_ms={k: float(v) for k, v in (obj.get("overhead_ms") or {}).items()} or
                    {"request": 0.0, "pd_hop": 0.0},
                    gpus_per_instance=int(obj.get("gpus_per_instance", 1)), dtype=str(obj.get("dtype", "")),
                    threads=obj.get("threads"), created=str(obj.get("created", "")),
                    machine=dict(obj.get("machine") or {}), samples=dict(obj.get("samples") or {}))
+
+
+def _by_batch(obj: Any, where: str) -> dict[int, float]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: decode_by_batch must be an object {{batch size: ms}}, got {obj!r}")
+    out = {}
+    for key, value in obj.items():
+        if not str(key).isdigit() or int(key) < 1:
+            raise ValueError(f"{where}: decode_by_batch has batch size {key!r}; sizes are integers >= 1")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"{where}: decode_by_batch.{key} must be a number >= 0, got {value!r}")
+        out[int(key)] = float(value)
+    return out
 
 
 def _number_dict(obj: Any, keys: Sequence[str], where: str) -> dict[str, float]:

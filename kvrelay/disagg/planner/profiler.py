@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import platform
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,27 @@ class ProfileGrid:
 
 QUICK_GRID = ProfileGrid(prefill_tokens=(8, 32), prefill_seqs=(1, 2), prefix_tokens=(0, 16),
                          decode_batch=(1, 4), decode_context=(16, 48), transfer_tokens=(16, 64), reps=1)
+
+
+def decode_batches(wanted: Sequence[int]) -> list[int]:
+    """The grid's decode batch sizes plus both sides of every row count at which the engine's
+    linear layers change route (kvrelay.model.layers.linear: 1-2 rows, 3-512, more), up to the
+    largest size asked for: a decode step's cost jumps there, and the profile's per-batch table
+    is interpolated between sampled sizes, so each side must be sampled."""
+    from kvrelay.model import layers
+
+    first_rows = (layers._NATIVE_MIN_TOKENS, layers._NATIVE_MAX_TOKENS + 1)
+    edges = {b for first in first_rows for b in (first - 1, first)}
+    return sorted(set(wanted) | {b for b in edges if 1 <= b <= max(wanted)})
+
+
+def decode_table(samples: Sequence[dict[str, Any]], per_kpair_ms: float) -> dict[int, float]:
+    """Per batch size: the median over its samples of the step's time less the fit's context
+    term (`per_kpair_ms * kpairs`), never below 0."""
+    by_batch: dict[int, list[float]] = {}
+    for s in samples:
+        by_batch.setdefault(int(s["batch_size"]), []).append(s["ms"] - per_kpair_ms * s["kpairs"])
+    return {b: max(0.0, statistics.median(v)) for b, v in sorted(by_batch.items())}
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -199,7 +221,7 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
     timer = StepTimer(engine, cfg.model.seed)
     backends = list(backends) if backends is not None else available_backends()
     prefill_cases = _prefill_cases(grid, budget)
-    decode_cases = [(b, c) for b in grid.decode_batch for c in grid.decode_context]
+    decode_cases = [(b, c) for b in decode_batches(grid.decode_batch) for c in grid.decode_context]
     transfer_cases = [(be, t) for be in backends for t in grid.transfer_tokens]
     jobs: list[tuple[str, Callable[[], None]]] = []
     samples: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "transfer": []}
@@ -274,6 +296,7 @@ def _build_profile(engine: Any, samples: dict[str, list[dict[str, Any]]], thread
                 "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                 "max_num_seqs": cfg.scheduler.max_num_seqs, "max_model_len": engine.max_model_len},
         prefill=prefill, decode=decode, transfer=transfer, dtype=cfg.model.dtype,
+        decode_by_batch=decode_table(dec, decode.per_kpair_ms),
         threads=threads or torch.get_num_threads(),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         machine={"hostname": platform.node(), "cpus": _cpus(), "torch": torch.__version__,

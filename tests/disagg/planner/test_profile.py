@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kvrelay.disagg.planner.profile import load_profile, profile_from_json
-from kvrelay.disagg.planner.profiler import QUICK_GRID, fit_step, run_profile
+from kvrelay.disagg.planner.profiler import QUICK_GRID, decode_batches, decode_table, fit_step, run_profile
 from tests.disagg.planner.conftest import hand_profile
 
 
 def test_schema_round_trip(tmp_path: Path) -> None:
     profile = hand_profile()
+    profile.decode_by_batch = {1: 5.0, 3: 4.0}
     profile.samples = {"prefill": [{"batch_tokens": 8, "num_seqs": 1, "prefix_tokens": 0, "kpairs": 0.036,
                                     "ms": 3.0}], "decode": [], "transfer": []}
     path = tmp_path / "p.json"
@@ -29,6 +31,9 @@ def test_schema_round_trip(tmp_path: Path) -> None:
     (lambda o: o.pop("decode"), "'decode'"),
     (lambda o: o["prefill"].update(per_token_ms="fast"), "prefill.per_token_ms"),
     (lambda o: o["engine"].pop("num_blocks"), "engine.num_blocks"),
+    (lambda o: o.update(decode_by_batch={"0": 1.0}), "decode_by_batch has batch size '0'"),
+    (lambda o: o.update(decode_by_batch={"2": -1}), "decode_by_batch.2 must be a number >= 0"),
+    (lambda o: o.update(decode_by_batch=[1, 2]), "decode_by_batch must be an object"),
 ])
 def test_bad_profile_fields_are_named(edit, message: str) -> None:  # type: ignore[no-untyped-def]
     obj = hand_profile().to_json()
@@ -62,9 +67,34 @@ def test_profile_a_tiny_model_with_the_quick_grid() -> None:
     profile = run_profile(llm.engine, QUICK_GRID, max_seconds=120, threads=1, backends=["tcp"],
                           progress=False)
     assert {s["prefix_tokens"] for s in profile.samples["prefill"]} == {0, 16}
-    assert {s["batch_size"] for s in profile.samples["decode"]} == {1, 4}  # one sample per case
+    # 2 and 3 added to the grid's 1 and 4: the engine's linear layers change route at 3 rows
+    assert {s["batch_size"] for s in profile.samples["decode"]} == {1, 2, 3, 4}
+    assert sorted(profile.decode_by_batch) == [1, 2, 3, 4]
     assert profile.transfer["tcp"].ms_per_mib >= 0 and len(profile.samples["transfer"]) == 2
     assert profile.num_blocks == llm.engine.num_blocks and profile.kv_bytes_per_token > 0
     assert profile.step_ms([(32, 0)], []) > 0 and profile.step_ms([], [16, 16]) > 0
     assert profile_from_json(json.loads(json.dumps(profile.to_json()))) == profile
     assert llm.engine.scheduler.blocks_in_use == 0
+
+
+def test_decode_by_batch_is_interpolated_between_sampled_sizes() -> None:
+    profile = hand_profile()  # decode fit: 5 ms flat, no per-sequence slope
+    profile.decode = replace(profile.decode, per_seq_ms=0.5, per_kpair_ms=2.0)
+    profile.decode_by_batch = {1: 10.0, 2: 11.0, 3: 6.0, 8: 8.5}
+    assert profile.step_ms([], [0]) == pytest.approx(10.0 + 2.0 * 0.001)  # K = 1 * (0 + 1) / 1000
+    assert profile.step_ms([], [0, 0, 0]) == pytest.approx(6.0 + 2.0 * 0.003)  # cheaper than 2
+    assert profile.decode_base_ms(5) == pytest.approx(6.0 + 2.5 * 2 / 5)  # between 3 and 8
+    assert profile.decode_base_ms(10) == pytest.approx(8.5 + 0.5 * 2)  # past 8: the fit's slope
+    assert profile.step_ms([(4, 0)], [0]) == profile.prefill.predict_ms(5, 2, 0.011)  # prefill: the fit
+
+
+def test_decode_grid_samples_both_sides_of_the_engine_route_change() -> None:
+    assert decode_batches([1, 4, 8]) == [1, 2, 3, 4, 8]
+    assert decode_batches([1]) == [1]
+    assert decode_batches([2, 600]) == [2, 3, 512, 513, 600]
+
+
+def test_decode_table_takes_the_median_less_the_context_term() -> None:
+    rows = [{"batch_size": 2, "kpairs": k, "ms": 10.0 + 2.0 * k + extra}
+            for k, extra in ((0.1, 0.0), (1.0, 1.0), (2.0, 9.0))]
+    assert decode_table(rows, per_kpair_ms=2.0) == {2: pytest.approx(11.0)}
