@@ -114,9 +114,11 @@ def latencies(result: SimResult) -> Latencies:
     return Latencies(list(result.ttft_s), list(result.tpot_s))
 
 
+CLUSTERS = {SINGLE: ClusterSpec(num_colocated=1), PD: ClusterSpec(num_prefill=1, num_decode=1)}
+
+
 def predict(profiles: dict[str, Profile], wl: Workload) -> dict[str, Latencies]:
-    return {SINGLE: latencies(simulate(ClusterSpec(num_colocated=1), profiles[SINGLE], wl)),
-            PD: latencies(simulate(ClusterSpec(num_prefill=1, num_decode=1), profiles[PD], wl))}
+    return {k: latencies(simulate(CLUSTERS[k], profiles[k], wl)) for k in (SINGLE, PD)}
 
 
 def with_overhead(p: Profile, overheads: dict[str, float]) -> Profile:
@@ -126,15 +128,18 @@ def with_overhead(p: Profile, overheads: dict[str, float]) -> Profile:
 # ----------------------------------------------------------------------------- measurement
 
 
-def measure_target(url: str, label: str, args: argparse.Namespace, wl: bench_serving.Workload,
-                   prof: Profile, cluster: ClusterSpec) -> tuple[dict[str, float], dict[float, Latencies]]:
-    """Calibrate the target's fixed overheads on idle requests, then run every rate."""
+Calibration = list[tuple[RequestSpec, float, float]]  # (idle request, measured TTFT s, TPOT s)
+
+
+def measure_target(url: str, label: str, args: argparse.Namespace,
+                   wl: bench_serving.Workload) -> tuple[Calibration, dict[float, Latencies]]:
+    """Idle calibration requests, then every rate: the calibration samples and the latencies."""
     model = args.model_name or bench_serving.served_model(url)
     by_length = sorted(wl.prompts, key=len)
     for prompt in (by_length[-1], by_length[0]):  # lazy initialisation off the clock, as bench_serving
         asyncio.run(bench_serving.run_rate(url, model, bench_serving.Workload((prompt,), (0.0,), 4), 1.0,
                                            "chat", args.request_timeout, tag="warmup"))
-    overheads = calibrate(url, model, label, args, by_length, prof, cluster)
+    samples = calibrate(url, model, args, by_length)
     measured = {}
     for run, rate in enumerate(args.rates):
         results, duration = asyncio.run(bench_serving.run_rate(url, model, wl, rate, "chat",
@@ -143,14 +148,11 @@ def measure_target(url: str, label: str, args: argparse.Namespace, wl: bench_ser
         measured[rate] = Latencies([r.ttft for r in ok], [r.tpot or 0.0 for r in ok],
                                    share_in_slo(results, args))
         print(f"  [{label}] rate {rate:g}: {len(ok)}/{len(results)} ok in {duration:.1f} s", flush=True)
-    return overheads, measured
+    return samples, measured
 
 
-def calibrate(url: str, model: str, label: str, args: argparse.Namespace, prompts: list[str], prof: Profile,
-              cluster: ClusterSpec) -> dict[str, float]:
-    """Idle requests one at a time: the median excess of measured TPOT over the predicted one is
-    the cost a served step adds to an engine step ("step"); then, with that included, the median
-    excess of TTFT is the fixed per-request cost ("request": HTTP, tokenizing, the proxy's hop)."""
+def calibrate(url: str, model: str, args: argparse.Namespace, prompts: list[str]) -> Calibration:
+    """Idle requests one at a time, before the load: what each took, for `overheads_from`."""
     samples = []
     for i in range(args.calibration_requests):
         one = bench_serving.Workload((prompts[i % len(prompts)],), (0.0,), CALIBRATION_TOKENS)
@@ -159,6 +161,14 @@ def calibrate(url: str, model: str, label: str, args: argparse.Namespace, prompt
         if results[0].ok and results[0].ttft is not None and results[0].tpot is not None:
             spec = replace(planner_workload(one, 1.0, 0, args.model).requests[0], arrival_s=0.0)
             samples.append((spec, results[0].ttft, results[0].tpot))
+    return samples
+
+
+def overheads_from(samples: Calibration, prof: Profile, cluster: ClusterSpec) -> dict[str, float]:
+    """The median excess of the idle requests' measured TPOT over the predicted one is the cost a
+    served step adds to an engine step ("step": the server loop, streaming); then, with that
+    included, the median excess of TTFT is the fixed per-request cost ("request": HTTP,
+    tokenizing, the proxy's hop). Depends on the profile's step model, so computed per model."""
     if not samples:
         return {"request": 0.0, "step": 0.0}
 
@@ -171,8 +181,6 @@ def calibrate(url: str, model: str, label: str, args: argparse.Namespace, prompt
     with_step = replace(prof, overhead_ms={**prof.overhead_ms, "step": step_ms})
     request_ms = max(0.0, statistics.median((ttft - predicted(with_step, spec)[0]) * 1e3
                                             for spec, ttft, _ in samples))
-    print(f"  [{label}] calibrated on {len(samples)} idle requests: {request_ms:.1f} ms per request, "
-          f"{step_ms:.1f} ms per step beyond the engine's", flush=True)
     return {"request": request_ms, "step": step_ms}
 
 
@@ -188,11 +196,8 @@ def sim_share(lat: Latencies, args: argparse.Namespace) -> float:
     return good / len(lat.ttft_s)
 
 
-Overheads = dict[str, dict[str, float]]  # target -> {"request": ms, "step": ms}
-
-
-def measure(args: argparse.Namespace, wl: bench_serving.Workload,
-            profiles: dict[str, Profile]) -> tuple[Overheads, dict[str, dict[float, Latencies]]]:
+def measure(args: argparse.Namespace,
+            wl: bench_serving.Workload) -> tuple[dict[str, Calibration], dict[str, dict[float, Latencies]]]:
     """kvrelay up (1P1D) first, then one serve with all the threads, as bench_serving --compare."""
     from kvrelay.disagg.launcher import ClusterSpec as UpSpec
     from kvrelay.disagg.launcher import LocalCluster, single_instance
@@ -202,10 +207,10 @@ def measure(args: argparse.Namespace, wl: bench_serving.Workload,
                   serve_args=serve_args, startup_timeout=600)
     print(f"starting kvrelay up (1P1D, {spec.threads} thread(s) each) ...", flush=True)
     with LocalCluster(spec) as cluster:
-        pd = measure_target(cluster.url, PD, args, wl, profiles[PD], ClusterSpec(num_prefill=1, num_decode=1))
+        pd = measure_target(cluster.url, PD, args, wl)
     print(f"starting one kvrelay serve ({args.threads} thread(s)) ...", flush=True)
     with single_instance(args.model, args.threads, serve_args) as single:
-        one = measure_target(single.url, SINGLE, args, wl, profiles[SINGLE], ClusterSpec(num_colocated=1))
+        one = measure_target(single.url, SINGLE, args, wl)
     return {PD: pd[0], SINGLE: one[0]}, {PD: pd[1], SINGLE: one[1]}
 
 
@@ -221,11 +226,13 @@ def pd_better(lat: dict[str, Latencies], args: argparse.Namespace, measured: boo
     return score[PD] < score[SINGLE]
 
 
-def print_table(scenarios: list[Scenario], args: argparse.Namespace) -> dict[str, Any]:
+def print_table(scenarios: list[Scenario], args: argparse.Namespace, verbose: bool = True) -> dict[str, Any]:
+    """Per rate and target, predicted against measured; `verbose=False` prints the totals only."""
     rows, verdicts = [], []
+    say = print if verbose else (lambda *_: None)
     for sc in scenarios:
-        print(f"\nrate {sc.rate:g} req/s")
-        print(f"  {'':10}{'metric':10}{'predicted':>11}{'measured':>10}{'error':>8}  within 25%")
+        say(f"\nrate {sc.rate:g} req/s")
+        say(f"  {'':10}{'metric':10}{'predicted':>11}{'measured':>10}{'error':>8}  within 25%")
         for target in (SINGLE, PD):
             pred = sc.predicted[target].summary()
             meas = sc.measured[target].summary() if sc.measured else None
@@ -235,7 +242,7 @@ def print_table(scenarios: list[Scenario], args: argparse.Namespace) -> dict[str
                 rows.append({"rate": sc.rate, "target": target, "metric": m, "predicted_ms": pred[m] * 1e3,
                              "measured_ms": meas[m] * 1e3 if meas else None, "error": err, "within": ok})
                 shown = f"{meas[m] * 1e3:>10.0f}{err:>+8.0%}  {'yes' if ok else 'NO'}" if meas else ""
-                print(f"  {target:10}{m:10}{pred[m] * 1e3:>11.0f}{shown}")
+                say(f"  {target:10}{m:10}{pred[m] * 1e3:>11.0f}{shown}")
         predicted = pd_better(sc.predicted, args, measured=False)
         line = f"  is P/D better here? predicted {'yes' if predicted else 'no'}"
         verdict: dict[str, Any] = {"rate": sc.rate, "predicted_pd_better": predicted}
@@ -244,12 +251,13 @@ def print_table(scenarios: list[Scenario], args: argparse.Namespace) -> dict[str
             verdict.update(measured_pd_better=actual, right=predicted == actual)
             line += f", measured {'yes' if actual else 'no'}: {'right' if predicted == actual else 'WRONG'}"
         verdicts.append(verdict)
-        print(line)
+        say(line)
     measured_rows = [r for r in rows if r["within"] is not None]
     if measured_rows:
         n_ok = sum(1 for r in measured_rows if r["within"])
         n_right = sum(1 for v in verdicts if v.get("right"))
-        print(f"\nwithin 25%: {n_ok}/{len(measured_rows)} predictions; P/D-or-not right at "
+        lead = "\n" if verbose else "  "
+        print(f"{lead}within 25%: {n_ok}/{len(measured_rows)} predictions; P/D-or-not right at "
               f"{n_right}/{len(verdicts)} rates")
     return {"rows": rows, "verdicts": verdicts}
 
@@ -275,6 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="reuse two profiles 'SINGLE.json,PD.json' instead of profiling again")
     p.add_argument("--calibration-requests", type=int, default=4)
     p.add_argument("--predict-only", action="store_true", help="no servers: print the predictions only")
+    p.add_argument("--replay", default=None,
+                   help="no servers: predict against the measurement in an earlier run's --json-out "
+                        "(give that run's profiles with --profiles and its workload options)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",") if r]
@@ -286,6 +297,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         from kvrelay.disagg.launcher import available_cores
         args.threads = available_cores()
     return args
+
+
+def compare(profiles: dict[str, Profile], samples: dict[str, Calibration],
+            measured: dict[str, dict[float, Latencies]], wl: bench_serving.Workload, args: argparse.Namespace,
+            verbose: bool = True) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """Calibrate each target's overheads against these profiles, predict every rate, print."""
+    overheads = {k: overheads_from(samples[k], p, CLUSTERS[k]) for k, p in profiles.items()}
+    tuned = {k: with_overhead(p, overheads[k]) for k, p in profiles.items()}
+    scenarios = []
+    for run, rate in enumerate(args.rates):
+        sc = Scenario(rate, predict(tuned, planner_workload(wl, rate, run, args.model)))
+        if measured:
+            sc.measured = {k: v[rate] for k, v in measured.items()}
+        scenarios.append(sc)
+    shown = {k: {name: round(ms, 1) for name, ms in v.items()} for k, v in overheads.items()}
+    print(f"{'' if verbose else '  '}calibrated overheads (ms): single {shown[SINGLE]}, P/D {shown[PD]}")
+    return {**print_table(scenarios, args, verbose), "overhead_ms": overheads}, overheads
+
+
+def print_decode_tables(profiles: dict[str, Profile]) -> None:
+    for k, p in profiles.items():
+        table = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(p.decode_by_batch.items()))
+        print(f"profile {k} ({p.threads} thread(s)): decode step by batch size, ms less the context term: "
+              f"{table or 'none (linear fit only)'}")
+
+
+def measurement_json(samples: dict[str, Calibration],
+                     measured: dict[str, dict[float, Latencies]]) -> dict[str, Any]:
+    """What was measured, so `--replay` can predict against it again without servers."""
+    return {"calibration": {k: [[spec.input_len, spec.output_len, ttft, tpot] for spec, ttft, tpot in v]
+                            for k, v in samples.items()},
+            "measured": {k: {str(rate): {"ttft_s": lat.ttft_s, "tpot_s": lat.tpot_s,
+                                         "share_in_slo": lat.share_in_slo} for rate, lat in v.items()}
+                         for k, v in measured.items()}}
+
+
+def load_measurement(path: str) -> tuple[dict[str, Calibration], dict[str, dict[float, Latencies]]]:
+    obj = json.loads(Path(path).read_text())
+    if "calibration" not in obj or "measured" not in obj:
+        raise SystemExit(f"{path} has no measurement to replay (written by a run with --json-out)")
+    samples = {k: [(RequestSpec(0.0, int(i), int(o)), ttft, tpot) for i, o, ttft, tpot in v]
+               for k, v in obj["calibration"].items()}
+    measured = {k: {float(rate): Latencies(m["ttft_s"], m["tpot_s"], m["share_in_slo"])
+                    for rate, m in v.items()} for k, v in obj["measured"].items()}
+    return samples, measured
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,23 +358,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.json_out:
                 for name, prof in (("single", profiles[SINGLE]), ("pd", profiles[PD])):
                     prof.save(Path(args.json_out).with_suffix(f".{name}.profile.json"))
-    overheads: dict[str, dict[str, float]] = {SINGLE: {}, PD: {}}
+    samples: dict[str, Calibration] = {SINGLE: [], PD: []}
     measured: dict[str, dict[float, Latencies]] = {}
-    if not args.predict_only:
-        overheads, measured = measure(args, wl, profiles)
-    tuned = {k: with_overhead(p, overheads[k]) for k, p in profiles.items()}
-    scenarios = []
-    for run, rate in enumerate(args.rates):
-        sc = Scenario(rate, predict(tuned, planner_workload(wl, rate, run, args.model)))
-        if measured:
-            sc.measured = {k: v[rate] for k, v in measured.items()}
-        scenarios.append(sc)
-    print(f"\nplanner vs bench_serving: {args.num_requests} requests per rate, {args.max_tokens} output "
-          f"tokens, {args.threads} thread(s) in all; calibrated overheads (ms): single {overheads[SINGLE]}, "
-          f"P/D {overheads[PD]}")
-    report = print_table(scenarios, args)
+    if args.replay:
+        samples, measured = load_measurement(args.replay)
+    elif not args.predict_only:
+        samples, measured = measure(args, wl)
+    print_decode_tables(profiles)
+    report, _ = compare(profiles, samples, measured, wl, args)
+    if any(p.decode_by_batch for p in profiles.values()):
+        linear = {k: replace(p, decode_by_batch={}) for k, p in profiles.items()}
+        print("\nthe same profiles and measurements, decode steps from the linear fit instead of the "
+              "per-batch table (the model before decode_by_batch):")
+        report["linear_decode_fit"], _ = compare(linear, samples, measured, wl, args, verbose=False)
     if args.json_out:
-        out = {"args": {k: v for k, v in vars(args).items()}, "overhead_ms": overheads, **report,
+        out = {"args": {k: v for k, v in vars(args).items()}, **report,
+               **measurement_json(samples, measured),
                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1, default=str))

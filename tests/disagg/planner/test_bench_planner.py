@@ -80,8 +80,35 @@ def test_measure_target_calibrates_then_runs_every_rate(bench: ModuleType) -> No
     wl = bench.bench_serving.build_workload(4, 0.25, (8, 16), (30, 40), 4, seed=0)
     backend = FakeBackend("D", chunk_delay=0.01, num_chunks=8)
     with ServerThread(backend.app()) as server:
-        overheads, measured = bench.measure_target(server.url, "fake", args, wl, hand_profile(),
-                                                   ClusterSpec(num_colocated=1))
+        samples, measured = bench.measure_target(server.url, "fake", args, wl)
+    assert len(samples) == 2
+    overheads = bench.overheads_from(samples, hand_profile(), ClusterSpec(num_colocated=1))
     assert set(overheads) == {"request", "step"} and all(v >= 0 for v in overheads.values())
     assert overheads["step"] > 0  # the fake streams a chunk every 10 ms; the profile decodes in 5
     assert sorted(measured) == [20.0, 40.0] and all(len(m.ttft_s) == 4 for m in measured.values())
+
+
+def test_replay_predicts_against_a_stored_measurement_with_both_decode_models(
+        bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = []
+    for name in ("single", "pd"):
+        prof = hand_profile()
+        prof.decode_by_batch = {1: 5.0, 3: 3.0}
+        prof.save(tmp_path / f"{name}.json")
+        paths.append(str(tmp_path / f"{name}.json"))
+    lat = bench.Latencies([0.5, 0.6, 0.7, 0.8], [0.01, 0.01, 0.02, 0.02], 1.0)
+    spec = bench.RequestSpec(0.0, 20, 8)
+    samples = {bench.SINGLE: [(spec, 0.05, 0.006)], bench.PD: [(spec, 0.08, 0.007)]}
+    stored = tmp_path / "run.json"
+    measured = {bench.SINGLE: {1.0: lat}, bench.PD: {1.0: lat}}
+    stored.write_text(json.dumps(bench.measurement_json(samples, measured)))
+    out = tmp_path / "again.json"
+    assert bench.main(["--replay", str(stored), "--profiles", ",".join(paths), "--threads", "2",
+                       "--rates", "1", "--num-requests", "4", "--json-out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "decode step by batch size, ms less the context term: 1: 5.0, 3: 3.0" in text
+    assert text.count("within 25%: ") == 2  # the per-batch table, then the linear fit
+    report = json.loads(out.read_text())
+    assert len(report["rows"]) == 8 and all(r["measured_ms"] is not None for r in report["rows"])
+    assert len(report["linear_decode_fit"]["rows"]) == 8
+    assert report["overhead_ms"]["P/D"]["step"] == pytest.approx(2.0)  # 7 ms measured, 5 predicted
