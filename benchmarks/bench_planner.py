@@ -89,15 +89,28 @@ def profile(threads: int, args: argparse.Namespace, out: Path) -> Profile:
 # ----------------------------------------------------------------------------- workload
 
 
-def planner_workload(wl: bench_serving.Workload, rate: float, run: int, model: str | None) -> Workload:
+def planner_workload(wl: bench_serving.Workload, rate: float, run: int, model: str | None,
+                     block_size: int = 16) -> Workload:
     """bench_serving's requests as the planner sees them: token counts and arrival times."""
     tokenizer = _tokenizer(model)
     requests, now = [], 0.0
     for prompt, gap in zip(wl.prompts, wl.gaps, strict=True):
         now += gap / rate
         text = tokenizer.apply_chat_template([{"role": "user", "content": f"[run {run}] {prompt}"}])
-        requests.append(RequestSpec(now, len(tokenizer.encode(text)), wl.max_tokens))
-    return Workload(tuple(requests), name=f"bench_serving@{rate:g}")
+        token_ids = tokenizer.encode(text)
+        requests.append(RequestSpec(now, len(token_ids), wl.max_tokens, block_ids(token_ids, block_size)))
+    return Workload(tuple(requests), name=f"bench_serving@{rate:g}", hash_block_tokens=block_size)
+
+
+def block_ids(token_ids: list[int], block_size: int) -> tuple[int, ...]:
+    """An id per full block of the prompt that stands for every token up to it (a chained hash,
+    as the engine's prefix cache keys blocks), so the simulator finds the prompts' shared
+    prefix (the chat template's system prompt) in its prefix cache as the server does."""
+    ids, parent = [], 0
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        parent = hash((parent, tuple(token_ids[end - block_size:end])))
+        ids.append(parent)
+    return tuple(ids)
 
 
 _TOKENIZERS: dict[str | None, Any] = {}

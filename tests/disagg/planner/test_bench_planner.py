@@ -22,7 +22,7 @@ class WordTokenizer:
         return "<user> " + messages[0]["content"]
 
     def encode(self, text: str) -> list[int]:
-        return [1] * len(text.split())
+        return [sum(map(ord, word)) for word in text.split()]
 
 
 @pytest.fixture
@@ -44,6 +44,12 @@ def test_workload_keeps_bench_servings_prompts_gaps_and_lengths(bench: ModuleTyp
     assert planned.requests[2].arrival_s == pytest.approx((wl.gaps[1] + wl.gaps[2]) / 2.0)
     # words of the prompt, plus the tag "[run 0]" (2) and the template's "<user>" (1)
     assert planned.requests[1].input_len == len(wl.prompts[1].split()) + 3
+    # an id per full 16-token block; "<user> [run 0] Request " opens every prompt, then they differ
+    first, second = planned.requests[0].hash_ids, planned.requests[1].hash_ids
+    assert planned.hash_block_tokens == 16 and len(first) == planned.requests[0].input_len // 16
+    assert first[0] != second[0] or first[1:] != second[1:]
+    template = bench.block_ids([7] * 20, 16)
+    assert template == bench.block_ids([7] * 16 + [8] * 4, 16) != bench.block_ids([8] * 16, 16)
 
 
 def test_pd_better_by_share_in_slo_then_by_p90(bench: ModuleType) -> None:
