@@ -205,7 +205,23 @@ def _prefill_cases(grid: ProfileGrid, budget: int) -> list[tuple[list[int], int]
     for prefix in grid.prefix_tokens:
         if prefix:
             cases += [([t], prefix) for t in grid.prefill_tokens[:: max(1, len(grid.prefill_tokens) // 3)]]
-    return cases
+    return [cases[i] for i in spread_order(len(cases))]
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 so that every prefix spans the range: both ends, then midpoints of the gaps, e.g.
+    5 -> [0, 4, 2, 1, 3]."""
+    if n <= 0:
+        return []
+    order, gaps = [0] + ([n - 1] if n > 1 else []), [(0, n - 1)]
+    while gaps:
+        lo, hi = gaps.pop(0)
+        if hi - lo < 2:
+            continue
+        mid = (lo + hi) // 2
+        order.append(mid)
+        gaps += [(lo, mid), (mid, hi)]
+    return order
 
 
 def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int | None,
@@ -221,7 +237,9 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
     timer = StepTimer(engine, cfg.model.seed)
     backends = list(backends) if backends is not None else available_backends()
     prefill_cases = _prefill_cases(grid, budget)
-    decode_cases = [(b, c) for b in decode_batches(grid.decode_batch) for c in grid.decode_context]
+    # NOTE: orders for a run cut short by --max-seconds: every batch size at the first context
+    # before any at the second (the per-batch table needs each size), prefill spread over sizes.
+    decode_cases = [(b, c) for c in grid.decode_context for b in decode_batches(grid.decode_batch)]
     transfer_cases = [(be, t) for be in backends for t in grid.transfer_tokens]
     jobs: list[tuple[str, Callable[[], None]]] = []
     samples: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": [], "transfer": []}

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvrelay.disagg.planner.profile import load_profile, profile_from_json
-from kvrelay.disagg.planner.profiler import QUICK_GRID, decode_batches, decode_table, fit_step, run_profile
+from kvrelay.disagg.planner.profiler import (
+    QUICK_GRID,
+    decode_batches,
+    decode_table,
+    fit_step,
+    run_profile,
+    spread_order,
+)
 from tests.disagg.planner.conftest import hand_profile
 
 
@@ -98,3 +105,9 @@ def test_decode_table_takes_the_median_less_the_context_term() -> None:
     rows = [{"batch_size": 2, "kpairs": k, "ms": 10.0 + 2.0 * k + extra}
             for k, extra in ((0.1, 0.0), (1.0, 1.0), (2.0, 9.0))]
     assert decode_table(rows, per_kpair_ms=2.0) == {2: pytest.approx(11.0)}
+
+
+def test_cases_are_ordered_so_a_run_cut_short_still_spans_the_grid() -> None:
+    assert spread_order(5) == [0, 4, 2, 1, 3]
+    assert all(sorted(spread_order(n)) == list(range(n)) for n in range(20))
+    assert spread_order(9)[:3] == [0, 8, 4]  # the ends and the middle first
