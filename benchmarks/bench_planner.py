@@ -134,8 +134,12 @@ def predict(profiles: dict[str, Profile], wl: Workload) -> dict[str, Latencies]:
     return {k: latencies(simulate(CLUSTERS[k], profiles[k], wl)) for k in (SINGLE, PD)}
 
 
-def with_overhead(p: Profile, overheads: dict[str, float]) -> Profile:
-    return replace(p, overhead_ms={**p.overhead_ms, **overheads})
+def with_overhead(p: Profile, calibrated: dict[str, float]) -> Profile:
+    """The profile with a target's calibrated constants: overhead_ms request and step, and the
+    step_time_scale."""
+    overheads = {k: v for k, v in calibrated.items() if k in ("request", "step")}
+    return replace(p, overhead_ms={**p.overhead_ms, **overheads},
+                   step_time_scale=calibrated.get("scale", p.step_time_scale))
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -165,10 +169,12 @@ def measure_target(url: str, label: str, args: argparse.Namespace,
 
 
 def calibrate(url: str, model: str, args: argparse.Namespace, prompts: list[str]) -> Calibration:
-    """Idle requests one at a time, before the load: what each took, for `overheads_from`."""
+    """Idle requests one at a time, before the load, the shortest and the longest prompts in
+    turn (so TTFT spreads over prefill lengths): what each took, for `overheads_from`."""
     samples = []
+    ends = [p for pair in zip(prompts, reversed(prompts), strict=True) for p in pair]
     for i in range(args.calibration_requests):
-        one = bench_serving.Workload((prompts[i % len(prompts)],), (0.0,), CALIBRATION_TOKENS)
+        one = bench_serving.Workload((ends[i % len(ends)],), (0.0,), CALIBRATION_TOKENS)
         results, _ = asyncio.run(bench_serving.run_rate(url, model, one, 1.0, "chat", args.request_timeout,
                                                         tag=f"calibrate {i}"))
         if results[0].ok and results[0].ttft is not None and results[0].tpot is not None:
@@ -177,24 +183,43 @@ def calibrate(url: str, model: str, args: argparse.Namespace, prompts: list[str]
     return samples
 
 
-def overheads_from(samples: Calibration, prof: Profile, cluster: ClusterSpec) -> dict[str, float]:
-    """The median excess of the idle requests' measured TPOT over the predicted one is the cost a
-    served step adds to an engine step ("step": the server loop, streaming); then, with that
-    included, the median excess of TTFT is the fixed per-request cost ("request": HTTP,
-    tokenizing, the proxy's hop). Depends on the profile's step model, so computed per model."""
+MIN_SCALE_SPREAD_MS = 50.0  # predicted TTFT spread of the idle requests needed to fit a scale
+
+
+def overheads_from(samples: Calibration, prof: Profile, cluster: ClusterSpec,
+                   scaled: bool = True) -> dict[str, float]:
+    """The target's constants from idle requests (one at a time, before the load), for this step
+    model: with `scaled`, "scale" is the slope of measured TTFT against the TTFT the profile
+    predicts (short and long prompts: how fast this target computes compared to the profile,
+    e.g. 2 on a CPU that others share), when the predictions spread enough to fit a slope;
+    then "step", the median excess of measured TPOT over the scaled prediction (what a served
+    step adds: the server loop, streaming); then "request", the median excess of TTFT over the
+    prediction with both (HTTP, tokenizing, the proxy's hop)."""
     if not samples:
-        return {"request": 0.0, "step": 0.0}
+        return {"request": 0.0, "step": 0.0, "scale": 1.0}
 
     def predicted(p: Profile, spec: RequestSpec) -> tuple[float, float]:
         result = simulate(cluster, p, Workload((spec,)))
         return result.ttft_s[0], result.tpot_s[0]
 
+    scale = 1.0
+    if scaled:
+        pred = [predicted(prof, spec)[0] for spec, _, _ in samples]
+        if (max(pred) - min(pred)) * 1e3 >= MIN_SCALE_SPREAD_MS:
+            scale = min(10.0, max(0.5, _slope(pred, [ttft for _, ttft, _ in samples])))
+    prof = replace(prof, step_time_scale=scale)
     step_ms = max(0.0, statistics.median((tpot - predicted(prof, spec)[1]) * 1e3
                                          for spec, _, tpot in samples))
     with_step = replace(prof, overhead_ms={**prof.overhead_ms, "step": step_ms})
     request_ms = max(0.0, statistics.median((ttft - predicted(with_step, spec)[0]) * 1e3
                                             for spec, ttft, _ in samples))
-    return {"request": request_ms, "step": step_ms}
+    return {"request": request_ms, "step": step_ms, "scale": scale}
+
+
+def _slope(x: list[float], y: list[float]) -> float:
+    """Least-squares slope of y against x."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sum((a - mx) ** 2 for a in x)
 
 
 def share_in_slo(results: list[Any], args: argparse.Namespace) -> float:
@@ -314,9 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compare(profiles: dict[str, Profile], samples: dict[str, Calibration],
             measured: dict[str, dict[float, Latencies]], wl: bench_serving.Workload, args: argparse.Namespace,
-            verbose: bool = True) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
-    """Calibrate each target's overheads against these profiles, predict every rate, print."""
-    overheads = {k: overheads_from(samples[k], p, CLUSTERS[k]) for k, p in profiles.items()}
+            verbose: bool = True, scaled: bool = True) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """Calibrate each target's constants against these profiles, predict every rate, print."""
+    overheads = {k: overheads_from(samples[k], p, CLUSTERS[k], scaled) for k, p in profiles.items()}
     tuned = {k: with_overhead(p, overheads[k]) for k, p in profiles.items()}
     scenarios = []
     for run, rate in enumerate(args.rates):
@@ -324,8 +349,9 @@ def compare(profiles: dict[str, Profile], samples: dict[str, Calibration],
         if measured:
             sc.measured = {k: v[rate] for k, v in measured.items()}
         scenarios.append(sc)
-    shown = {k: {name: round(ms, 1) for name, ms in v.items()} for k, v in overheads.items()}
-    print(f"{'' if verbose else '  '}calibrated overheads (ms): single {shown[SINGLE]}, P/D {shown[PD]}")
+    shown = {k: f"{v['request']:.1f} ms per request, {v['step']:.1f} ms per step, "
+                f"engine steps x{v['scale']:.2f}" for k, v in overheads.items()}
+    print(f"{'' if verbose else '  '}calibrated: single {shown[SINGLE]}; P/D {shown[PD]}")
     return {**print_table(scenarios, args, verbose), "overhead_ms": overheads}, overheads
 
 
@@ -384,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nthe same profiles and measurements, decode steps from the linear fit instead of the "
               "per-batch table (the model before decode_by_batch):")
         report["linear_decode_fit"], _ = compare(linear, samples, measured, wl, args, verbose=False)
+    print("\nthe same, without the step-time scale (additive overheads only, the calibration before it):")
+    report["unscaled"], _ = compare(profiles, samples, measured, wl, args, verbose=False, scaled=False)
     if args.json_out:
         out = {"args": {k: v for k, v in vars(args).items()}, **report,
                **measurement_json(samples, measured),

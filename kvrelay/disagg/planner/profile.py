@@ -25,8 +25,10 @@ tokens after c_i already in its KV cache, costs
 (K counts query-key pairs of causal attention, in thousands), with the `prefill` coefficients
 when any sequence computes prompt tokens and the `decode` ones when every n_i is 1, plus
 `overhead_ms.step` (what a served step costs beyond the engine's: the server loop, streaming;
-0 unless calibrated). When the profile has `decode_by_batch` (the measured cost of a decode step
-of B sequences without the context term, per batch size sampled), a pure decode step costs
+0 unless calibrated), the engine part multiplied by `step_time_scale` (1 unless calibrated: the
+share of the profiled speed the instance gets where it runs). When the profile has
+`decode_by_batch` (the measured cost of a decode step of B sequences without the context term,
+per batch size sampled), a pure decode step costs
 that, interpolated linearly between the sampled batch sizes, plus `per_kpair * K`: the engine
 multiplies 1-2 rows and 3+ rows by different routes (kvrelay.model.layers.linear), so a decode
 step of 3 sequences can be cheaper than one of 2, which no line through (B, ms) can say. A transfer
@@ -129,6 +131,9 @@ class Profile:
     distserve: DistServeCoeffs | None = None  # set when read from DistServe's format
     # ms of a decode step of B sequences, less its per_kpair term, per sampled B (empty: the fit)
     decode_by_batch: dict[int, float] = field(default_factory=dict)
+    # multiplies every engine step's time: the share of the profiled speed an instance gets
+    # where it runs (1: as profiled; 2: half the speed, e.g. a CPU shared with other work)
+    step_time_scale: float = 1.0
     source: str = "measured"
 
     @property
@@ -164,7 +169,7 @@ class Profile:
             engine_ms = self.decode_base_ms(num_seqs) + self.decode.per_kpair_ms * pairs
         else:
             engine_ms = self.decode.predict_ms(num_tokens, num_seqs, pairs)
-        return max(0.0, engine_ms) + self.overhead_ms.get("step", 0.0)
+        return self.step_time_scale * max(0.0, engine_ms) + self.overhead_ms.get("step", 0.0)
 
     def decode_base_ms(self, batch: int) -> float:
         """A decode step of `batch` sequences without its context term, from `decode_by_batch`:
@@ -234,11 +239,18 @@ def profile_from_json(obj: Any, where: str = "profile") -> Profile:
     return Profile(model=str(obj["model"]), engine={k: int(v) for k, v in engine.items()},
                    prefill=fits["prefill"], decode=fits["decode"], transfer=transfer,
                    decode_by_batch=_by_batch(obj.get("decode_by_batch") or {}, where),
+                   step_time_scale=_positive(obj.get("step_time_scale", 1.0), f"{where}: step_time_scale"),
                    overhead_ms={k: float(v) for k, v in (obj.get("overhead_ms") or {}).items()} or
                    {"request": 0.0, "pd_hop": 0.0},
                    gpus_per_instance=int(obj.get("gpus_per_instance", 1)), dtype=str(obj.get("dtype", "")),
                    threads=obj.get("threads"), created=str(obj.get("created", "")),
                    machine=dict(obj.get("machine") or {}), samples=dict(obj.get("samples") or {}))
+
+
+def _positive(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{where} must be a number > 0, got {value!r}")
+    return float(value)
 
 
 def _by_batch(obj: Any, where: str) -> dict[int, float]:

@@ -89,7 +89,7 @@ def test_measure_target_calibrates_then_runs_every_rate(bench: ModuleType) -> No
         samples, measured = bench.measure_target(server.url, "fake", args, wl)
     assert len(samples) == 2
     overheads = bench.overheads_from(samples, hand_profile(), ClusterSpec(num_colocated=1))
-    assert set(overheads) == {"request", "step"} and all(v >= 0 for v in overheads.values())
+    assert set(overheads) == {"request", "step", "scale"} and all(v >= 0 for v in overheads.values())
     assert overheads["step"] > 0  # the fake streams a chunk every 10 ms; the profile decodes in 5
     assert sorted(measured) == [20.0, 40.0] and all(len(m.ttft_s) == 4 for m in measured.values())
 
@@ -113,8 +113,27 @@ def test_replay_predicts_against_a_stored_measurement_with_both_decode_models(
                        "--rates", "1", "--num-requests", "4", "--json-out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "decode step by batch size, ms less the context term: 1: 5.0, 3: 3.0" in text
-    assert text.count("within 25%: ") == 2  # the per-batch table, then the linear fit
+    assert text.count("within 25%: ") == 3  # per-batch table, linear fit, no scale
     report = json.loads(out.read_text())
     assert len(report["rows"]) == 8 and all(r["measured_ms"] is not None for r in report["rows"])
     assert len(report["linear_decode_fit"]["rows"]) == 8
     assert report["overhead_ms"]["P/D"]["step"] == pytest.approx(2.0)  # 7 ms measured, 5 predicted
+    assert report["overhead_ms"]["P/D"]["scale"] == 1.0  # one prompt length: no slope to fit
+    assert "without the step-time scale" in text and len(report["unscaled"]["rows"]) == 8
+
+
+def test_calibration_fits_how_much_slower_the_target_computes(bench: ModuleType) -> None:
+    from kvrelay.disagg.planner.sim import ClusterSpec, simulate
+    from kvrelay.disagg.planner.workload import Workload
+
+    cluster, prof = ClusterSpec(num_colocated=1), hand_profile()  # prefill 10 + 1 ms/token; decode 5
+    slow = bench.with_overhead(prof, {"request": 30.0, "step": 4.0, "scale": 2.0})
+    samples = []
+    for n in (20, 300, 40, 200):  # what a target twice as slow, with those overheads, measures
+        spec = bench.RequestSpec(0.0, n, 8)
+        result = simulate(cluster, slow, Workload((spec,)))
+        samples.append((spec, result.ttft_s[0], result.tpot_s[0]))
+    fitted = bench.overheads_from(samples, prof, cluster)
+    assert fitted == pytest.approx({"request": 30.0, "step": 4.0, "scale": 2.0})
+    additive = bench.overheads_from(samples, prof, cluster, scaled=False)
+    assert additive["scale"] == 1.0 and additive["step"] == pytest.approx(9.0)  # 2 * 5 + 4 - 5
