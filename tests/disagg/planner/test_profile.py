@@ -23,6 +23,7 @@ from tests.disagg.planner.conftest import hand_profile
 def test_schema_round_trip(tmp_path: Path) -> None:
     profile = hand_profile()
     profile.decode_by_batch = {1: 5.0, 3: 4.0}
+    profile.step_time_scale = 1.5
     profile.samples = {"prefill": [{"batch_tokens": 8, "num_seqs": 1, "prefix_tokens": 0, "kpairs": 0.036,
                                     "ms": 3.0}], "decode": [], "transfer": []}
     path = tmp_path / "p.json"
@@ -41,6 +42,7 @@ def test_schema_round_trip(tmp_path: Path) -> None:
     (lambda o: o.update(decode_by_batch={"0": 1.0}), "decode_by_batch has batch size '0'"),
     (lambda o: o.update(decode_by_batch={"2": -1}), "decode_by_batch.2 must be a number >= 0"),
     (lambda o: o.update(decode_by_batch=[1, 2]), "decode_by_batch must be an object"),
+    (lambda o: o.update(step_time_scale=0), "step_time_scale must be a number > 0"),
 ])
 def test_bad_profile_fields_are_named(edit, message: str) -> None:  # type: ignore[no-untyped-def]
     obj = hand_profile().to_json()
@@ -111,3 +113,10 @@ def test_cases_are_ordered_so_a_run_cut_short_still_spans_the_grid() -> None:
     assert spread_order(5) == [0, 4, 2, 1, 3]
     assert all(sorted(spread_order(n)) == list(range(n)) for n in range(20))
     assert spread_order(9)[:3] == [0, 8, 4]  # the ends and the middle first
+
+
+def test_step_time_scale_multiplies_engine_time_not_the_served_step_overhead() -> None:
+    profile = hand_profile()  # prefill 10 ms + 1 ms per token
+    profile.overhead_ms = {"step": 3.0}
+    profile.step_time_scale = 2.0
+    assert profile.step_ms([(10, 0)], []) == pytest.approx(2.0 * 20.0 + 3.0)
