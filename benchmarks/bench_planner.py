@@ -162,7 +162,7 @@ def measure_target(url: str, label: str, args: argparse.Namespace,
         results, duration = asyncio.run(bench_serving.run_rate(url, model, wl, rate, "chat",
                                                                args.request_timeout, tag=f"run {run}"))
         ok = [r for r in results if r.ok and r.ttft is not None]
-        measured[rate] = Latencies([r.ttft for r in ok], [r.tpot or 0.0 for r in ok],
+        measured[rate] = Latencies([r.ttft or 0.0 for r in ok], [r.tpot or 0.0 for r in ok],
                                    share_in_slo(results, args))
         print(f"  [{label}] rate {rate:g}: {len(ok)}/{len(results)} ok in {duration:.1f} s", flush=True)
     return samples, measured
