@@ -104,7 +104,7 @@ class NixlConfig:
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
 
-    def mooncake_options(self) -> dict[str, str]:
+    def mooncake_options(self) -> dict[str, Any]:
         """The transport options of backend "mooncake" (none for the other backends)."""
         if self.backend != "mooncake":
             return {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_leases import LeaseTable
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_transport(backend: str, transfer_config: KVTransferConfig, *, secret: bytes | None,
-                     timeout_s: float, **mooncake_options: str) -> KVTransport:
+                     timeout_s: float, **mooncake_options: Any) -> KVTransport:
     """The transport backend the config names (a seam tests replace). The TCP data port binds
     next to the side channel (kv_ip, any free port) and authenticates with the cluster secret."""
     from kvrelay.kv_transfer.transport import create_transport as create
