@@ -5,10 +5,10 @@
 
 The master only keeps metadata; the bytes live in segments that the store's clients contribute.
 Each kvrelay instance is such a client: it mounts `segment` bytes of its memory into the pool
-(0: none, a pure reader/writer of other clients' segments; else at least 16MiB) and transfers through a `buffer`
-bytes local buffer, with the Transfer Engine (P2PHANDSHAKE metadata, protocol tcp, or rdma with
-`device`). Objects in an instance's segment go away with that instance; the master evicts the
-least recently used objects when the pool passes its high watermark.
+(0: none, a pure reader/writer of other clients' segments; else at least 16MiB) and transfers
+through a `buffer` bytes local buffer, with the Transfer Engine (P2PHANDSHAKE metadata, protocol
+tcp, or rdma with `device`). Objects in an instance's segment go away with that instance; the
+master evicts the least recently used objects when the pool passes its high watermark.
 
 An object is a 64-byte stamp (magic, expiry in unix ms, 0: none) followed by the chunk blob
 (codec.py: its own header and checksum, verified by the TieredStore). The master has no expiry,
@@ -69,7 +69,8 @@ def parse_url(url: str) -> MooncakeStoreUrl:
     known = {"segment", "buffer", "protocol", "device", "local_host"}
     unknown = sorted(set(query) - known)
     if unknown:
-        raise ValueError(f"unknown mooncakestore:// option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ValueError(f"unknown mooncakestore:// option(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
     protocol = query.get("protocol", "tcp")
     if protocol not in ("tcp", "rdma"):
         raise ValueError(f"mooncakestore:// protocol must be tcp or rdma, got {protocol!r}")
@@ -80,7 +81,8 @@ def parse_url(url: str) -> MooncakeStoreUrl:
         buffer_bytes=_size(query.get("buffer", "64MiB"), "buffer"),
         protocol=protocol, device=query.get("device", ""))
     if 0 < settings.segment_bytes < _MIN_SEGMENT_BYTES:  # the client refuses smaller segments
-        raise ValueError(f"mooncakestore:// segment must be 0 or at least 16MiB, got {settings.segment_bytes}")
+        raise ValueError(f"mooncakestore:// segment must be 0 or at least 16MiB, "
+                         f"got {settings.segment_bytes}")
     return settings
 
 

@@ -29,7 +29,8 @@ def require_mooncake_store() -> str:
     except ImportError as e:
         pytest.skip(f"mooncake.store does not load ({e}); pip install 'kvrelay[mooncake]' and run "
                     "sh scripts/install_mooncake_deps.sh")
-    binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable)) or shutil.which("mooncake_master")
+    next_to_python = os.path.dirname(sys.executable)
+    binary = shutil.which("mooncake_master", path=next_to_python) or shutil.which("mooncake_master")
     if binary is None:
         pytest.skip("the Mooncake wheel is installed but mooncake_master is not next to python nor on PATH")
     return binary
