@@ -9,11 +9,15 @@ dim 64, fp32) and block sizes 16 and 64, moves the prompt's blocks P -> D in one
     conn+cksum  the same with verify_checksum on: P digests the blocks at pin time, D after the read
     tcp         TcpTransport.read_blocks             vs  raw socket: sendall / recv_into, same bytes
     conn tcp    the NixlConnector worker path over the TCP backend (verify_checksum off)
+    mooncake    MooncakeTransport.read_blocks        vs  raw mooncake: two Transfer Engines (tcp,
+                P2PHANDSHAKE), one batch_transfer_sync_read of the same bytes (mooncake_bench.py)
+    conn mc     the NixlConnector worker path over the mooncake backend (verify_checksum off)
     memcpy      torch copy_ of the same block slices (the ceiling)
     digest      security.block_digests over the blocks alone (the checksum's own throughput)
 
 and prints GB/s with the ratios the targets name (nixl and conn nixl >= 0.8 x raw nixl, tcp and
-conn tcp >= 0.7 x raw socket, conn+cksum >= 0.6 x raw nixl), then plots them (--plot). Each
+conn tcp >= 0.7 x raw socket, conn+cksum >= 0.6 x raw nixl, mooncake and conn mc >= 0.8 x raw
+mooncake; the Mooncake columns where the wheel loads), then plots them (--plot). Each
 column is a function `measure_*(reps)` returning `measure(case) -> seconds` (the best of `reps`).
 With --ttft it also times the first token of 1024- and 4096-token prompts through `kvrelay up`
 (1P1D) against one `kvrelay serve` with the same total threads (see transfer_ttft.py).
@@ -40,6 +44,7 @@ from pathlib import Path
 import plotting  # benchmarks/plotting.py, beside this script
 import torch
 from hostinfo import cpu_summary  # benchmarks/hostinfo.py
+from mooncake_bench import measure_raw_mooncake, mooncake_loads  # benchmarks/mooncake_bench.py
 
 from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
 from kvrelay.kv_transfer.base import KVCacheSpec
@@ -326,6 +331,10 @@ def build_columns(reps: int, secret_file: str) -> dict[str, Callable[[Case], flo
     if not nixl_available():
         columns["conn+cksum"] = measure_connector("tcp", True, reps, secret_file)
     columns["raw socket"] = measure_raw_socket(reps)
+    if mooncake_loads():
+        columns["mooncake"] = measure_transport("mooncake", reps)
+        columns["conn mc"] = measure_connector("mooncake", False, reps, secret_file)
+        columns["raw mc"] = measure_raw_mooncake(reps, _check_copied)
     columns["memcpy"] = measure_memcpy(reps)
     columns["digest"] = measure_digests(reps)
     return columns
@@ -334,7 +343,8 @@ def build_columns(reps: int, secret_file: str) -> dict[str, Callable[[Case], flo
 # name: (numerator column, denominator column, target)
 RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket", 0.7),
           "connN/raw": ("conn nixl", "raw nixl", 0.8), "connT/raw": ("conn tcp", "raw socket", 0.7),
-          "cksum/raw": ("conn+cksum", "raw nixl", 0.6)}
+          "cksum/raw": ("conn+cksum", "raw nixl", 0.6), "mc/raw": ("mooncake", "raw mc", 0.8),
+          "connM/raw": ("conn mc", "raw mc", 0.8)}
 
 
 def run(tokens: list[int], block_sizes: list[int], reps: int) -> list[dict[str, float | int]]:
