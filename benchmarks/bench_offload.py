@@ -396,14 +396,14 @@ def print_table(lengths: list[int], ttfts: dict[tuple[str, int], float],
 
 def print_ttft(lengths: list[int], ttfts: dict[tuple[str, int], float], targets: dict[str, int]) -> None:
     print(f"\nTTFT (SmolLM2-135M fp32 CPU, {os.cpu_count()} cores, chunk_tokens={CHUNK_TOKENS})")
-    print(f"{'prompt':>7} {'tier':>6} {'TTFT s':>8} {'speed-up':>9} {'target':>7}  ok")
+    print(f"{'prompt':>7} {'tier':>8} {'TTFT s':>8} {'speed-up':>9} {'target':>7}  ok")
     for n in lengths:
         cold = ttfts[("cold", n)]
-        print(f"{n:>7} {'cold':>6} {cold:>8.3f}")
+        print(f"{n:>7} {'cold':>8} {cold:>8.3f}")
         for tier, target in targets.items():
             t = ttfts[(tier, n)]
             ok = "yes" if cold / t >= target else "NO"
-            print(f"{n:>7} {tier:>6} {t:>8.3f} {cold / t:>8.1f}x {target:>6}x  {ok}")
+            print(f"{n:>7} {tier:>8} {t:>8.3f} {cold / t:>8.1f}x {target:>6}x  {ok}")
 
 
 if __name__ == "__main__":
