@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -101,3 +102,48 @@ class MooncakeStoreForBench:
         self.process.terminate()
         self.process.wait(10)
 
+
+
+def interleaved_mooncake(case: Any, reps: int,
+                         check_copied: Callable[[Any], None]) -> tuple[float, float, float]:
+    """Median seconds of MooncakeTransport.read_blocks and of the raw Transfer Engine read of the
+    same bytes, alternated read by read on the same tensors, and the median of each adjacent
+    pair's ratio raw / ours (a pair shares the machine's load of the moment)."""
+    from mooncake.engine import TransferEngine
+
+    from kvrelay.kv_transfer.transport import TransferState, create_transport
+
+    p, d = create_transport("mooncake", "bench-p"), create_transport("mooncake", "bench-d")
+    raw_p, raw_d = TransferEngine(), TransferEngine()
+    try:
+        d.add_remote("bench-p", p.agent_metadata(), p.register_kv_caches(case.p_kv))
+        d.register_kv_caches(case.d_kv)
+        for engine, kv in ((raw_p, case.p_kv), (raw_d, case.d_kv)):
+            engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            for layer in kv.values():
+                engine.register_memory(layer.data_ptr(), layer.numel() * layer.element_size())
+        peer = f"127.0.0.1:{raw_p.get_rpc_port()}"
+        block_bytes = case.num_bytes // len(case.remote_block_ids) // len(case.p_kv)
+        local = [kv.data_ptr() + case.local_block_ids[0] * block_bytes for kv in case.d_kv.values()]
+        remote = [kv.data_ptr() + case.remote_block_ids[0] * block_bytes for kv in case.p_kv.values()]
+        lengths = [block_bytes * len(case.remote_block_ids)] * len(local)
+        ours, raw = [], []
+        for i in range(reps + 1):  # the first pair connects: not timed
+            start = time.perf_counter()
+            handle = d.read_blocks("bench-p", case.local_block_ids, case.remote_block_ids, f"r{i}:1".encode())
+            while handle.poll() == TransferState.PENDING:
+                time.sleep(0)
+            ours.append(time.perf_counter() - start)
+            if handle.poll() != TransferState.DONE:
+                raise RuntimeError(f"mooncake read failed: {handle.error}")
+            check_copied(case)
+            start = time.perf_counter()
+            if raw_d.batch_transfer_sync_read(peer, local, remote, lengths) != 0:
+                raise RuntimeError("raw Transfer Engine read failed")
+            raw.append(time.perf_counter() - start)
+            check_copied(case)
+        ratios = [r / o for o, r in zip(ours[1:], raw[1:], strict=True)]
+        return statistics.median(ours[1:]), statistics.median(raw[1:]), statistics.median(ratios)
+    finally:
+        d.close()
+        p.close()

@@ -28,7 +28,8 @@ def build_tiers(config: OffloadConfig, stats: OffloadStats) -> list[StorageTier]
     if config.remote_url and config.remote_url.startswith("mooncakestore://"):
         from kvrelay.kv_transfer.offload.mooncake_store import MooncakeStoreTier
 
-        tiers.append(MooncakeStoreTier(config.remote_url, stats, ttl_seconds=config.remote_ttl_seconds))
+        tiers.append(MooncakeStoreTier(config.remote_url, stats, ttl_seconds=config.remote_ttl_seconds,
+                                       timeout_seconds=config.remote_timeout_seconds))
     elif config.remote_url:
         from kvrelay.kv_transfer.offload.redis import RedisTier
 

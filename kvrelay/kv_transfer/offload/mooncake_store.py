@@ -16,7 +16,9 @@ so `remote_ttl_seconds` is enforced here: an expired object reads as a miss and 
 Reads take the object out of the client's registered buffer and copy it once into memory of
 our own (the buffer must be handed back at once: an upper tier may keep the blob).
 
-Failures: the master down answers lookups and removals with an error code (TierError: the store
+Failures: a master that is down when the instance starts is not joined (its port is probed
+first); the tier misses and is joined on a later call once the port answers. The master down
+after joining answers lookups and removals with an error code (TierError: the store
 counts it, serves a miss, and skips the tier for retry_seconds), a read with a missing object,
 which is then told apart from a true miss by one existence check. The client reconnects by
 itself once the master is back; objects the old master knew are gone, new writes refill it.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import logging
 import socket
 import struct
 import threading
@@ -40,6 +43,8 @@ import numpy as np
 from kvrelay.config import parse_size
 from kvrelay.kv_transfer.offload.base import Blob, StorageTier, TierError
 from kvrelay.kv_transfer.offload.stats import OffloadStats
+
+logger = logging.getLogger(__name__)
 
 SCHEME = "mooncakestore://"
 _STAMP = struct.Struct("<4sQ")  # magic, expiry unix ms (0: never)
@@ -104,11 +109,16 @@ def _local_address_towards(host: str) -> str:
         return str(probe.getsockname()[0])
 
 
+class _Unreachable(TierError):
+    """The master's port does not answer."""
+
+
 class MooncakeStoreTier(StorageTier):
     name = "mooncake"
     remote = True
 
-    def __init__(self, url: str, stats: OffloadStats, ttl_seconds: float = 0) -> None:
+    def __init__(self, url: str, stats: OffloadStats, ttl_seconds: float = 0,
+                 timeout_seconds: float = 0.5) -> None:
         super().__init__(stats)
         self.settings = parse_url(url)
         try:
@@ -116,16 +126,41 @@ class MooncakeStoreTier(StorageTier):
         except ImportError as e:
             raise ImportError(f"remote_url {url!r} needs the Mooncake wheel ({e}): pip install "
                               "'kvrelay[mooncake]' and run scripts/install_mooncake_deps.sh") from e
+        self._client_class = MooncakeDistributedStore
         self.url = url
         self.ttl_ms = int(ttl_seconds * 1000)
-        self._store: Any = MooncakeDistributedStore()
-        s = self.settings
-        rc = self._store.setup(s.local_host, "P2PHANDSHAKE", s.segment_bytes, s.buffer_bytes, s.protocol,
-                               s.device, s.master)
-        if rc != 0:
-            raise ValueError(f"cannot join the Mooncake store at {s.master} (rc {rc}): is mooncake_master "
-                             f"running there, and is {s.local_host} this machine's address?")
-        self._closed = threading.Event()
+        self.timeout_seconds = timeout_seconds
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._closed = False
+        try:
+            self._connect()
+        except _Unreachable as e:  # the instance starts anyway; the store retries the tier later
+            logger.warning("%s; starting without the Mooncake tier until it answers", e)
+
+    def _connect(self) -> Any:
+        """The store client, joining the master first when not joined yet. The master's port is
+        probed before joining: the client's own join waits about 90 s for a master that is down."""
+        if self._store is not None:
+            return self._store
+        with self._lock:
+            if self._store is None:
+                if self._closed:
+                    raise TierError("mooncake tier: closed")
+                s = self.settings
+                host, _, port = s.master.rpartition(":")
+                try:
+                    socket.create_connection((host, int(port)), timeout=self.timeout_seconds).close()
+                except OSError as e:
+                    raise _Unreachable(f"mooncake tier: master {s.master} unreachable ({e})") from None
+                store = self._client_class()
+                rc = store.setup(s.local_host, "P2PHANDSHAKE", s.segment_bytes, s.buffer_bytes, s.protocol,
+                                 s.device, s.master)
+                if rc != 0:
+                    raise ValueError(f"cannot join the Mooncake store at {s.master} (rc {rc}): is it a "
+                                     f"mooncake_master, and is {s.local_host} this machine's address?")
+                self._store = store
+        return self._store
 
     def _check(self, what: str, codes: Sequence[int]) -> None:
         bad = [c for c in codes if c < 0]
@@ -135,18 +170,18 @@ class MooncakeStoreTier(StorageTier):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        codes = list(self._store.batch_is_exist(list(keys)))
+        codes = list(self._connect().batch_is_exist(list(keys)))
         self._check("lookup", codes)
         return [c == 1 for c in codes]
 
     def get(self, keys: Sequence[str]) -> list[Blob | None]:
         if not keys:
             return []
-        handles = self._store.batch_get_buffer(list(keys))
+        handles = self._connect().batch_get_buffer(list(keys))
         blobs: list[Blob | None] = [self._unstamp(key, h) for key, h in zip(keys, handles, strict=True)]
         missing = [key for key, h in zip(keys, handles, strict=True) if h is None]
         if missing:  # a miss, or a master that cannot answer: only the existence check tells
-            self._check("read", list(self._store.batch_is_exist(missing)))
+            self._check("read", list(self._connect().batch_is_exist(missing)))
         self.stats.add("offload_mooncake_bytes_read", sum(len(b) for b in blobs if b is not None))
         return blobs
 
@@ -159,7 +194,7 @@ class MooncakeStoreTier(StorageTier):
             return bytearray()  # not ours: the store's checksum check calls it corrupt
         expiry_ms = _STAMP.unpack_from(view[:_STAMP.size].tobytes())[1]
         if expiry_ms and expiry_ms < time.time() * 1000:
-            self._store.batch_remove([key], True)
+            self._connect().batch_remove([key], True)
             self.stats.add("offload_mooncake_expired")
             return None
         blob = bytearray(size - _STAMP_BYTES)
@@ -170,7 +205,7 @@ class MooncakeStoreTier(StorageTier):
         expiry_ms = int(time.time() * 1000) + self.ttl_ms if self.ttl_ms else 0
         stamp = _STAMP.pack(_MAGIC, expiry_ms).ljust(_STAMP_BYTES, b"\0")
         for key, blob in items:
-            rc = self._store.upsert_parts(key, stamp, memoryview(blob))
+            rc = self._connect().upsert_parts(key, stamp, memoryview(blob))
             if rc == _NO_SPACE:  # full until the master's eviction catches up: not a failure
                 self.stats.add("offload_mooncake_no_space")
                 continue
@@ -180,11 +215,12 @@ class MooncakeStoreTier(StorageTier):
     def remove(self, keys: Sequence[str]) -> None:
         if keys:
             # NOTE: force: a read leases an object for a while, and a corrupt one must go now.
-            codes = [c for c in self._store.batch_remove(list(keys), True) if c != _NOT_FOUND]
+            codes = [c for c in self._connect().batch_remove(list(keys), True) if c != _NOT_FOUND]
             self._check("remove", codes)
 
     def close(self) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            self._store.close()
-
+        with self._lock:
+            self._closed = True
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()

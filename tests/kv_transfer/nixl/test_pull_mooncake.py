@@ -104,3 +104,28 @@ def test_aborts_at_any_point_of_the_pull_free_both_sides(mooncake_pd, reference,
     assert _stat(pd.p, "kv_lease_expired") == 0  # released or read: P never waited for the lease
     again = pd.run({"again": tokens}, max_tokens=3)  # the engines still serve
     assert again == reference_tokens(reference, {"again": tokens}, 3)
+
+
+def test_mooncake_options_are_checked_and_named() -> None:
+    from kvrelay.kv_transfer.connectors.nixl import NixlConfig
+
+    config = NixlConfig.from_extra_config({"backend": "mooncake", "mooncake_protocol": "rdma",
+                                           "mooncake_device": "mlx5_0"})
+    assert config.mooncake_options() == {"protocol": "rdma", "device_name": "mlx5_0"}
+    assert NixlConfig.from_extra_config({"backend": "tcp"}).mooncake_options() == {}
+    with pytest.raises(ValueError, match="mooncake_protocol.*'ipoib'"):
+        NixlConfig.from_extra_config({"backend": "mooncake", "mooncake_protocol": "ipoib"})
+    with pytest.raises(ValueError, match="mooncake_device"):
+        NixlConfig.from_extra_config({"backend": "mooncake", "mooncake_device": 0})
+
+
+def test_backend_mooncake_without_the_wheel_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvrelay.kv_transfer.transport import create_transport
+
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if the wheel were absent
+    monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
+    monkeypatch.delitem(sys.modules, "kvrelay.kv_transfer.transport.mooncake", raising=False)
+    with pytest.raises(ValueError, match=r"kvrelay\[mooncake\]"):
+        create_transport("mooncake", "engine-x")

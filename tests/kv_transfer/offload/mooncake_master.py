@@ -39,12 +39,13 @@ def require_mooncake_store() -> str:
 class MooncakeMaster:
     """`mooncake_master` on 127.0.0.1; `stop()` and `start()` again keep the same port."""
 
-    def __init__(self, *extra_flags: str) -> None:
+    def __init__(self, *extra_flags: str, start: bool = True) -> None:
         self.binary = require_mooncake_store()
         self.port = _free_port()
         self.extra_flags = extra_flags
         self.process: subprocess.Popen[bytes] | None = None
-        self.start()
+        if start:
+            self.start()
 
     @property
     def url(self) -> str:

@@ -121,3 +121,20 @@ def test_master_down_is_a_tier_error_skipped_for_retry_seconds_then_recovered(mo
         assert stats.take()["offload_mooncake_errors"] >= 1
     finally:
         store.close()
+
+
+def test_an_instance_starts_while_the_master_is_down_and_joins_once_it_is_up():
+    from tests.kv_transfer.offload.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster(start=False)
+    stats = OffloadStats()
+    tier = _tier(master.url + "?segment=16MiB&buffer=8MiB", stats)  # no error: the tier waits
+    try:
+        with pytest.raises(TierError, match="unreachable"):
+            tier.contains(["a"])
+        master.start()
+        tier.put([("a", b"late but there")])
+        assert bytes(tier.get(["a"])[0]) == b"late but there"
+    finally:
+        tier.close()
+        master.stop()
