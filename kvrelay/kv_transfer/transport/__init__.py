@@ -58,8 +58,10 @@ def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port
                              "or use transport 'tcp'") from e
         return NixlTransport(engine_id, **options)
     if name == "mooncake":
+        from kvrelay.kv_transfer.transport.mooncake import MooncakeTransport, import_mooncake_engine
+
         try:
-            from kvrelay.kv_transfer.transport.mooncake import MooncakeTransport
+            import_mooncake_engine()
         except ImportError as e:
             raise ValueError(f"transport 'mooncake' needs the Mooncake wheel ({e}): pip install "
                              "'kvrelay[mooncake]' and run scripts/install_mooncake_deps.sh") from e
