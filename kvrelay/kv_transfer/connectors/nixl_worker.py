@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_leases import LeaseTable
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_transport(backend: str, transfer_config: KVTransferConfig, *, secret: bytes | None,
-                     timeout_s: float) -> KVTransport:
+                     timeout_s: float, **mooncake_options: Any) -> KVTransport:
     """The transport backend the config names (a seam tests replace). The TCP data port binds
     next to the side channel (kv_ip, any free port) and authenticates with the cluster secret."""
     from kvrelay.kv_transfer.transport import create_transport as create
@@ -46,6 +46,9 @@ def create_transport(backend: str, transfer_config: KVTransferConfig, *, secret:
     if backend == "tcp":
         return create("tcp", transfer_config.engine_id, transfer_config.kv_ip, secret=secret,
                       timeout_s=timeout_s)
+    if backend == "mooncake":
+        return create("mooncake", transfer_config.engine_id, transfer_config.kv_ip, secret=secret,
+                      timeout_s=timeout_s, **mooncake_options)
     return create(backend, transfer_config.engine_id)
 
 
@@ -68,7 +71,8 @@ class NixlWorker:
         self.kv_layers = [kv_caches[name] for name in self.kv_spec.layer_names]
         self.transport = create_transport(self.nixl_config.backend, self.transfer_config,
                                           secret=self.keys.transport,
-                                          timeout_s=self.nixl_config.transfer_timeout_seconds)
+                                          timeout_s=self.nixl_config.transfer_timeout_seconds,
+                                          **self.nixl_config.mooncake_options())
         self.layout = self.transport.register_kv_caches(kv_caches)
         if self.transfer_config.is_producer:
             self.leases = LeaseTable(self.nixl_config.lease_seconds,

@@ -20,7 +20,9 @@ Extra config keys (any subset of the three tiers, at least one):
   chunk_tokens            256. Tokens per stored chunk; a multiple of block_size.
   cpu_bytes               0 (no tier). Host-memory LRU budget, bytes or '4GiB'.
   disk_dir, disk_bytes    none, 16GiB. One file per chunk, LRU by size; survives restarts.
-  remote_url              none. redis://host:port/db; chunks are raw string values.
+  remote_url              none. redis://host:port/db (chunks are raw string values) or
+                          mooncakestore://host:port (a Mooncake Store master; see
+                          offload/mooncake_store.py for its ?segment=&buffer=&protocol= options).
   remote_ttl_seconds      86400. Expiry of each remote chunk (0: none).
   remote_timeout_seconds  0.5. Socket timeouts: a dead or slow Redis costs at most this.
   retry_seconds           5. A failed Redis is skipped (lookups and loads miss) this long.

@@ -117,6 +117,8 @@ class SideChannelServer:
             self._ctx.term()
             raise ValueError(f"cannot bind the KV side channel to {address}: {e}; "
                              "give each instance its own kv_port") from None
+        # NOTE: port 0 asks the OS for a free port; `port` is the one actually bound.
+        self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._guard = ReplayGuard()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kv-side-channel-{port}", daemon=True)

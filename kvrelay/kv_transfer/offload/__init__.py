@@ -1,4 +1,5 @@
-"""Offload storage: tiers of chunk blobs (host memory, disk, Redis) behind one interface.
+"""Offload storage: tiers of chunk blobs (host memory, disk, Redis or Mooncake Store) behind one
+interface.
 
 The OffloadConnector (kvrelay.kv_transfer.connectors.offload) turns KV blocks into chunk blobs
 and back; this package only stores blobs: `build_store(config, ...)` makes the tiers an
@@ -18,13 +19,18 @@ from kvrelay.kv_transfer.offload.store import Expected, TieredStore
 
 
 def build_tiers(config: OffloadConfig, stats: OffloadStats) -> list[StorageTier]:
-    """The configured tiers, fastest first: cpu, disk, redis."""
+    """The configured tiers, fastest first: cpu, disk, remote (redis:// or mooncakestore://)."""
     tiers: list[StorageTier] = []
     if config.cpu_bytes:
         tiers.append(CpuTier(config.cpu_bytes, stats))
     if config.disk_dir:
         tiers.append(DiskTier(config.disk_dir, config.disk_bytes, stats))
-    if config.remote_url:
+    if config.remote_url and config.remote_url.startswith("mooncakestore://"):
+        from kvrelay.kv_transfer.offload.mooncake_store import MooncakeStoreTier
+
+        tiers.append(MooncakeStoreTier(config.remote_url, stats, ttl_seconds=config.remote_ttl_seconds,
+                                       timeout_seconds=config.remote_timeout_seconds))
+    elif config.remote_url:
         from kvrelay.kv_transfer.offload.redis import RedisTier
 
         tiers.append(RedisTier(config.remote_url, stats, ttl_seconds=config.remote_ttl_seconds,

@@ -15,7 +15,7 @@ class OffloadConfig:
     cpu_bytes: int = 0  # host-memory tier budget; 0: no cpu tier
     disk_dir: str | None = None  # disk tier directory; None: no disk tier
     disk_bytes: int = 16 * 1024**3  # disk tier budget
-    remote_url: str | None = None  # redis://host:port/db; None: no remote tier
+    remote_url: str | None = None  # redis://host:port/db or mooncakestore://host:port; None: none
     remote_ttl_seconds: float = 24 * 3600  # TTL of each remote chunk; 0: none
     remote_timeout_seconds: float = 0.5  # socket connect / read timeout for the remote tier
     remote_write_timeout_seconds: float = 5.0  # socket timeout of the background writer's SETs
@@ -48,7 +48,7 @@ class OffloadConfig:
         if not (self.cpu_bytes or self.disk_dir or self.remote_url):
             raise ValueError("OffloadConnector needs at least one tier in kv_connector_extra_config: "
                              "cpu_bytes (e.g. '4GiB'), disk_dir (+ disk_bytes) or remote_url "
-                             "(redis://host:port/db)")
+                             "(redis://host:port/db or mooncakestore://host:port)")
         if self.cpu_bytes < 0 or self.disk_bytes <= 0:
             raise ValueError(f"cpu_bytes must be >= 0 and disk_bytes > 0, got {self.cpu_bytes}, "
                              f"{self.disk_bytes}")

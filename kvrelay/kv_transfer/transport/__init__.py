@@ -17,7 +17,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransportError,
 )
 
-TRANSPORTS = ("nixl", "tcp")
+TRANSPORTS = ("nixl", "tcp", "mooncake")
 
 
 def nixl_available() -> bool:
@@ -42,7 +42,8 @@ def default_transport() -> str:
 def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port: int = 0,
                      secret: bytes | None = None, **options: Any) -> KVTransport:
     """A transport by name. `host`/`port`/`secret` configure the TCP data port (NIXL finds its
-    own UCX addresses and ignores them); `options` go to the backend's constructor."""
+    own UCX addresses and ignores them; Mooncake binds `host` and signs its notifications with
+    `secret`); `options` go to the backend's constructor."""
     if name == "tcp":
         from kvrelay.kv_transfer.transport.tcp import TcpTransport
 
@@ -56,6 +57,15 @@ def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port
             raise ValueError("transport 'nixl' needs NIXL: pip install 'kvrelay[nixl]', "
                              "or use transport 'tcp'") from e
         return NixlTransport(engine_id, **options)
+    if name == "mooncake":
+        from kvrelay.kv_transfer.transport.mooncake import MooncakeTransport, import_mooncake_engine
+
+        try:
+            import_mooncake_engine()
+        except ImportError as e:
+            raise ValueError(f"transport 'mooncake' needs the Mooncake wheel ({e}): pip install "
+                             "'kvrelay[mooncake]' and run scripts/install_mooncake_deps.sh") from e
+        return MooncakeTransport(engine_id, host, secret=secret, **options)
     raise ValueError(f"unknown transport {name!r}; choose one of {TRANSPORTS}")
 
 

@@ -8,8 +8,9 @@ has completed, which is how P learns it may free the blocks.
 KV layout (fixed for the engine): per layer one tensor [num_blocks, 2, H_kv, block_size, D], so
 block b of layer l starts at base_address(l) + b * block_bytes and is contiguous.
 
-Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU) and a built-in TCP
-backend. Both are pulls: D asks, P's side streams the requested blocks.
+Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU), a built-in TCP
+backend and Mooncake's Transfer Engine (tcp, or rdma where devices exist). All are pulls: D
+asks, P's side serves the requested blocks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """NixlConnector between real P and D engine processes on loopback, over the real transports
-(TCP always, NIXL where it is importable)."""
+(TCP always, NIXL and Mooncake where they are importable)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,15 @@ def _backend_available(backend: str) -> bool:
         return False
     from kvrelay.kv_transfer.transport import nixl_installed
 
+    if backend == "mooncake":
+        from kvrelay.kv_transfer.transport.mooncake import mooncake_available
+
+        return mooncake_available()[0]
     return backend == "tcp" or nixl_installed()
 
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not _backend_available(b), reason=f"no {b} transport"))
-            for b in ("tcp", "nixl")]
+            for b in ("tcp", "nixl", "mooncake")]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.kv_transfer.offload.mooncake_master import mooncake_master  # noqa: F401 - a fixture
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -25,6 +25,12 @@ def kv_caches(seed: int, num_blocks: int = NUM_BLOCKS) -> dict[str, torch.Tensor
 def require_backend(name: str) -> None:
     if name == "nixl":
         pytest.importorskip("nixl_cu12", reason="NIXL is not installed (pip install 'kvrelay[nixl]')")
+    if name == "mooncake":
+        from kvrelay.kv_transfer.transport.mooncake import mooncake_available
+
+        available, reason = mooncake_available()
+        if not available:
+            pytest.skip(f"{reason} (pip install 'kvrelay[mooncake]'; sh scripts/install_mooncake_deps.sh)")
 
 
 def wait_for(check: Callable[[], T], timeout_s: float = 10.0, what: str = "condition") -> T:

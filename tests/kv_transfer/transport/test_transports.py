@@ -1,4 +1,4 @@
-"""Both transport backends against one specification: P and D in one process, then in two."""
+"""Every transport backend against one specification: P and D in one process, then in two."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.kv_transfer.transport.helpers import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-BACKENDS = ["tcp", "nixl"]
+BACKENDS = ["tcp", "nixl", "mooncake"]
 
 
 @pytest.fixture(params=BACKENDS)
