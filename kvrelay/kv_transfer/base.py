@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 LAYER_NAME_FORMAT = "model.layers.{i}.self_attn.attn"
 
-_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 class KVConnectorRole(enum.Enum):
@@ -84,7 +84,7 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # the KV cache format: "float32" | "bfloat16" | "float16" | "fp8_e4m3" | "fp8_e5m2"
     layer_names: Sequence[str] = ()  # stored as a tuple; empty: the standard names
     # What two instances must agree on before they exchange KV (ModelSpec.kv_fingerprint).
     fingerprint: dict[str, Any] = field(default_factory=dict)
