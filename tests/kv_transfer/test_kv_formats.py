@@ -1,0 +1,80 @@
+"""Offload tiers and the Example connector in every KV cache format: an entry written in a format
+is loaded back into a cache of that format (same tokens as a single instance of it), and is never
+found by a cache of another format (the key is rooted in the compatibility digest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrelay.engine.llm import LLM
+from tests.kv_transfer.offload.helpers import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    assert_loaded_stored_prefixes,
+    assert_no_leak,
+    fresh_prefix_cache,
+    generate,
+    offload_config,
+    prompts_of,
+)
+from tests.tiny import tiny_loaded_model
+
+FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
+PROMPTS = prompts_of([70, 37])
+
+
+def make_llm(kv_cache_dtype: str, kv_transfer_config: dict[str, Any] | None) -> LLM:
+    return LLM(loaded_model=tiny_loaded_model("llama"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+               kv_cache_dtype=kv_cache_dtype, kv_transfer_config=kv_transfer_config)
+
+
+def example_config(path: Path) -> dict[str, Any]:
+    return {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_offload_round_trip_in_each_format(kv_cache_dtype: str, tmp_path: Path) -> None:
+    reference = generate(make_llm(kv_cache_dtype, None), PROMPTS)
+    writer = make_llm(kv_cache_dtype, offload_config(disk_dir=str(tmp_path)))
+    assert generate(writer, PROMPTS) == reference
+    assert_no_leak(writer)
+    reader = make_llm(kv_cache_dtype, offload_config(disk_dir=str(tmp_path)))  # a fresh instance
+    before = reader.engine.get_stats()
+    assert generate(reader, PROMPTS) == reference
+    after = reader.engine.get_stats()
+    assert_loaded_stored_prefixes({k: after[k] - before[k] for k in before if isinstance(before[k], int | float)},
+                                  PROMPTS)
+    assert_no_leak(reader)
+
+
+def test_an_fp32_offload_entry_is_never_loaded_into_an_fp8_cache(tmp_path: Path) -> None:
+    writer = make_llm("float32", offload_config(disk_dir=str(tmp_path)))
+    generate(writer, PROMPTS)
+    assert any(tmp_path.rglob("*")), "the fp32 engine stored nothing"
+    reader = make_llm("fp8_e4m3", offload_config(disk_dir=str(tmp_path)))
+    assert generate(reader, PROMPTS) == generate(make_llm("fp8_e4m3", None), PROMPTS)
+    stats = reader.engine.get_stats()
+    assert stats["prompt_tokens_external"] == 0 and stats["kv_load_failures"] == 0
+    assert_no_leak(reader)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_example_connector_round_trip_in_each_format(kv_cache_dtype: str, tmp_path: Path) -> None:
+    reference = generate(make_llm(kv_cache_dtype, None), PROMPTS)
+    assert generate(make_llm(kv_cache_dtype, example_config(tmp_path)), PROMPTS) == reference
+    reader = make_llm(kv_cache_dtype, example_config(tmp_path))
+    assert generate(reader, PROMPTS) == reference
+    stats = reader.engine.get_stats()
+    assert stats["prompt_tokens_external"] > 0 and stats["kv_load_failures"] == 0
+    assert_no_leak(reader)
+
+
+def test_example_entries_of_another_format_are_not_found(tmp_path: Path) -> None:
+    generate(make_llm("bfloat16", example_config(tmp_path)), PROMPTS)
+    reader = make_llm("float16", example_config(tmp_path))
+    generate(reader, PROMPTS)
+    assert reader.engine.get_stats()["prompt_tokens_external"] == 0
+    assert_no_leak(reader)
