@@ -193,5 +193,6 @@ class LLMEngine:
         stats.update(
             num_blocks=self.num_blocks, blocks_in_use=self.blocks_in_use,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv)
+            num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv,
+            kv_cache_dtype=self.kv.format.name, kv_bytes_per_token=self.kv.bytes_per_token)
         return stats
