@@ -57,7 +57,7 @@ class EngineStatsCollector(Collector):
         if "kv_bytes_per_token" in stats:
             per_token = GaugeMetricFamily(
                 "kvrelay_kv_cache_bytes_per_token",
-                "KV cache bytes one token takes over all layers (what a transfer moves per token), by format.",
+                "KV cache bytes per token over all layers (what a transfer moves per token), by format.",
                 labels=["kv_cache_dtype"])
             per_token.add_metric([str(stats.get("kv_cache_dtype", ""))], float(stats["kv_bytes_per_token"]))
             yield per_token

@@ -15,7 +15,6 @@ from tests.kv_transfer.offload.helpers import (
     NUM_BLOCKS,
     assert_loaded_stored_prefixes,
     assert_no_leak,
-    fresh_prefix_cache,
     generate,
     offload_config,
     prompts_of,
@@ -32,7 +31,8 @@ def make_llm(kv_cache_dtype: str, kv_transfer_config: dict[str, Any] | None) -> 
 
 
 def example_config(path: Path) -> dict[str, Any]:
-    return {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+    return {"kv_connector": "ExampleConnector",
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
@@ -45,8 +45,8 @@ def test_offload_round_trip_in_each_format(kv_cache_dtype: str, tmp_path: Path) 
     before = reader.engine.get_stats()
     assert generate(reader, PROMPTS) == reference
     after = reader.engine.get_stats()
-    assert_loaded_stored_prefixes({k: after[k] - before[k] for k in before if isinstance(before[k], int | float)},
-                                  PROMPTS)
+    keys = ("prompt_tokens_external", "prompt_tokens_computed", "kv_load_failures")
+    assert_loaded_stored_prefixes({k: after[k] - before[k] for k in keys}, PROMPTS)
     assert_no_leak(reader)
 
 

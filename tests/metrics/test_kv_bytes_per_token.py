@@ -9,7 +9,8 @@ from kvrelay.metrics.prometheus import EngineStatsCollector
 
 def test_bytes_per_token_gauge_is_labelled_by_format() -> None:
     registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(lambda: {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 5760}))
+    stats = {"kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 5760}
+    registry.register(EngineStatsCollector(lambda: stats))
     text = generate_latest(registry).decode()
     assert 'kvrelay_kv_cache_bytes_per_token{kv_cache_dtype="fp8_e4m3"} 5760.0' in text
 

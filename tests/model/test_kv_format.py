@@ -107,7 +107,8 @@ def test_out_of_range_values_saturate_instead_of_becoming_inf(name: str) -> None
     x = torch.tensor([[[1e6, -1e6, 0.5]], [[2.0, -3.0, 1e-3]]])  # [T=2, Hkv=2... as [2, 1, 3]]
     stored = quantize_kv(x, fmt, scale)
     assert torch.isfinite(stored.float()).all()
-    assert stored.float()[0, 0, 0].item() == fmt.max_value and stored.float()[0, 0, 1].item() == -fmt.max_value
+    widened = stored.float()
+    assert widened[0, 0, 0].item() == fmt.max_value and widened[0, 0, 1].item() == -fmt.max_value
 
 
 def test_native_kernel_refuses_missing_or_unexpected_scales() -> None:
@@ -120,7 +121,8 @@ def test_native_kernel_refuses_missing_or_unexpected_scales() -> None:
     with pytest.raises(ValueError, match=r"kv_scales must be a contiguous CPU float32 \[2, 1\]"):
         kernel(q, fp8, tables, lens, out, 1.0, torch.ones(2, 3))
     with pytest.raises(ValueError, match="fp8 KV caches only"):
-        kernel(q, torch.zeros(1, 2, 1, 16, 64, dtype=torch.bfloat16), tables, lens, out, 1.0, torch.ones(2, 1))
+        bf16 = torch.zeros(1, 2, 1, 16, 64, dtype=torch.bfloat16)
+        kernel(q, bf16, tables, lens, out, 1.0, torch.ones(2, 1))
     with pytest.raises(ValueError, match="kv_cache must be a CPU tensor of"):
         kernel(q, torch.zeros(1, 2, 1, 16, 64, dtype=torch.float64), tables, lens, out, 1.0)
 

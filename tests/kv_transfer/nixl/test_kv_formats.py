@@ -82,7 +82,8 @@ def test_fp32_prefill_with_bf16_decode_is_refused_and_recomputed(pairs: list[PD]
     assert stats["prompt_tokens_external"] == 0 and stats["prompt_tokens_computed"] == len(tokens)
 
 
-def test_fp8_formats_refuse_each_other_naming_the_dtype(pairs: list[PD], caplog: pytest.LogCaptureFixture) -> None:
+def test_fp8_formats_refuse_each_other_naming_the_dtype(pairs: list[PD],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     pd = make_pair(pairs, "fp8_e5m2", "fp8_e4m3", lease_seconds=1.0)
     tokens = prompt(BLOCK_SIZE + 2, salt=32)
     params = pd.prefill(tokens, "p-fp8")
