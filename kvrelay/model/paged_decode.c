@@ -26,44 +26,61 @@
 
 /* Element kinds of the KV cache (kvrelay/model/kv_format.py's kernel_code). Each is read straight
  * from the blocks and widened to float in registers: no dequantized copy of the cache exists.
- * The narrow formats are widened by moving their sign, exponent and mantissa bits into a float's
- * and multiplying by 2^(127 - bias), which also gives their subnormals exactly (as float
- * subnormals scaled up); their inf/NaN encodings are never written (kv_format saturates). */
+ *   bf16      the top half of a float: shifted into place
+ *   fp16      converted by the CPU (F16C's vcvtph2ps) where it has it, else by moving its bits
+ *             into a float's and multiplying by 2^(127 - 15), which also gives subnormals exactly
+ *   fp8 e5m2  the top byte of an fp16: shifted, then as fp16
+ *   fp8 e4m3  its bits placed in an fp16 (exponent bias 15 instead of 7): the fp16 is the value
+ *             times 2^-8 (subnormals included), so KV_UNIT folds 2^8 into the scales.
+ * fp8's inf/NaN encodings are never written (kv_format saturates). */
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
 
 typedef uint32_t vu __attribute__((vector_size(4 * VLEN)));
+typedef uint16_t vh __attribute__((vector_size(2 * VLEN)));  /* VLEN fp16 bit patterns */
 typedef uint16_t vu16_unaligned __attribute__((vector_size(2 * VLEN), aligned(1), may_alias));
 typedef uint8_t vu8_unaligned __attribute__((vector_size(VLEN), aligned(1), may_alias));
 
 static inline int64_t kv_elem_bytes(int kind) { return kind == KV_F32 ? 4 : kind <= KV_F16 ? 2 : 1; }
+/* What a widened element must be multiplied by to be the stored value (folded into the scales). */
+static inline float kv_unit(int kind) { return kind == KV_E4M3 ? 256.0f : 1.0f; }
 
-/* VLEN elements at p (element kind `kind`) as floats. */
+#if defined(__F16C__) && VLEN == 16
+#include <immintrin.h>
+static inline vf halves_to_float(vh h) { return (vf)_mm512_cvtph_ps((__m256i)h); }
+#elif defined(__F16C__) && VLEN == 8
+#include <immintrin.h>
+static inline vf halves_to_float(vh h) { return (vf)_mm256_cvtph_ps((__m128i)h); }
+#else
+static inline vf halves_to_float(vh h) {
+    const vu w = __builtin_convertvector(h, vu);
+    return (vf)(((w & 0x8000u) << 16) | ((w & 0x7fffu) << 13)) * 0x1p112f;
+}
+#endif
+
+/* VLEN elements at p (element kind `kind`) as floats, in units of kv_unit(kind). */
 static inline vf load_kv(int kind, const char *p) {
     if (kind == KV_F32) return load((const float *)p);
-    if (kind == KV_BF16 || kind == KV_F16) {
-        const vu w = __builtin_convertvector(*(const vu16_unaligned *)p, vu);
-        if (kind == KV_BF16) return (vf)(w << 16);
-        return (vf)(((w & 0x8000u) << 16) | ((w & 0x7fffu) << 13)) * 0x1p112f;
-    }
-    const vu w = __builtin_convertvector(*(const vu8_unaligned *)p, vu);
-    if (kind == KV_E4M3) return (vf)(((w & 0x80u) << 24) | ((w & 0x7fu) << 20)) * 0x1p120f;
-    return (vf)(((w & 0x80u) << 24) | ((w & 0x7fu) << 21)) * 0x1p112f;
+    if (kind == KV_BF16) return (vf)(__builtin_convertvector(*(const vu16_unaligned *)p, vu) << 16);
+    if (kind == KV_F16) return halves_to_float(*(const vu16_unaligned *)p);
+    const vh b = __builtin_convertvector(*(const vu8_unaligned *)p, vh);
+    if (kind == KV_E5M2) return halves_to_float(b << 8);
+    return halves_to_float(((b & 0x7f) << 7) | ((b & 0x80) << 8));
 }
 
-/* Element i of p as a float (the scalar twin of load_kv). */
+/* Element i of p as a float (the scalar twin of load_kv, same units). */
 static inline float load_kv1(int kind, const char *p, int64_t i) {
     uint32_t bits;
     float f;
     switch (kind) {
         case KV_F32: return ((const float *)p)[i];
         case KV_BF16: bits = (uint32_t)((const uint16_t *)p)[i] << 16; memcpy(&f, &bits, 4); return f;
-        case KV_F16: bits = ((const uint16_t *)p)[i];
-            bits = ((bits & 0x8000u) << 16) | ((bits & 0x7fffu) << 13); memcpy(&f, &bits, 4); return f * 0x1p112f;
-        case KV_E4M3: bits = ((const uint8_t *)p)[i];
-            bits = ((bits & 0x80u) << 24) | ((bits & 0x7fu) << 20); memcpy(&f, &bits, 4); return f * 0x1p120f;
-        default: bits = ((const uint8_t *)p)[i];
-            bits = ((bits & 0x80u) << 24) | ((bits & 0x7fu) << 21); memcpy(&f, &bits, 4); return f * 0x1p112f;
+        case KV_F16: bits = ((const uint16_t *)p)[i]; break;
+        case KV_E5M2: bits = (uint32_t)((const uint8_t *)p)[i] << 8; break;
+        default: bits = ((const uint8_t *)p)[i]; bits = ((bits & 0x7fu) << 7) | ((bits & 0x80u) << 8); break;
     }
+    bits = ((bits & 0x8000u) << 16) | ((bits & 0x7fffu) << 13);  /* an fp16's bits as a float's */
+    memcpy(&f, &bits, 4);
+    return f * 0x1p112f;
 }
 
 /* scores[i] = q . k_i for `rows` rows of `k` ([rows, D] of element kind `kind`); C = D / VLEN, or
@@ -149,7 +166,7 @@ static inline void attend(
     const float *qrow = q + s * q_row_stride + first * D;
     for (int64_t j = 0; j < heads; j++) {
         /* fp8 K holds k / k_scale: q . k = (q * k_scale) . stored */
-        const float qscale = scale * (kv_scales ? kv_scales[h0 + j / group] : 1.0f);
+        const float qscale = scale * kv_unit(kind) * (kv_scales ? kv_scales[h0 + j / group] : 1.0f);
         for (int64_t d = 0; d < D; d++) { qs[j * D + d] = qrow[j * D + d] * qscale; acc[j * D + d] = 0.0f; }
         top[j] = -FLT_MAX; total[j] = 0.0f;
     }
@@ -184,7 +201,7 @@ static inline void attend(
     float *o = out + (s * num_heads + first) * D;
     for (int64_t j = 0; j < heads; j++) {
         /* fp8 V holds v / v_scale: the weighted sum scales back once, at the end */
-        const float vscale = kv_scales ? kv_scales[num_kv_heads + h0 + j / group] : 1.0f;
+        const float vscale = kv_unit(kind) * (kv_scales ? kv_scales[num_kv_heads + h0 + j / group] : 1.0f);
         for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] * (vscale / total[j]);
     }
 }
