@@ -28,14 +28,25 @@ class KVSetup:
 
 def build_kv_setup(config: EngineConfig, spec: ModelSpec, model: CausalLM, device: torch.device) -> KVSetup:
     fmt = resolve_kv_format(config.cache.cache_dtype, config.model.dtype)
+    if fmt.is_fp8 and spec.is_mla:
+        raise ValueError(f"kv_cache_dtype {fmt.name} is not available for {spec.architecture}'s latent KV "
+                         "cache (MLA); use bfloat16, float16 or float32")
     scales = calibrate_kv_scales(model, fmt, device) if fmt.is_fp8 else None
     policy = fmt.scales_policy if scales is None else f"{fmt.scales_policy}:{scales_digest(scales)}"
     fingerprint = compat_fingerprint(
         model=model_fingerprint(spec, model), kv_cache_dtype=fmt.name, kv_scales=policy,
-        layout="kv[2,Hkv,bs,D]", block_size=config.cache.block_size, head_size=spec.head_dim,
+        layout=kv_layout(spec), block_size=config.cache.block_size, head_size=spec.head_dim,
         num_kv_heads=spec.num_kv_heads)
-    bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * fmt.element_size
+    per_layer = spec.head_dim if spec.is_mla else 2 * spec.num_kv_heads * spec.head_dim
+    bytes_per_token = spec.num_layers * per_layer * fmt.element_size
     return KVSetup(fmt, scales, fingerprint, bytes_per_token)
+
+
+def kv_layout(spec: ModelSpec) -> str:
+    """The cache layout's name in the compatibility fingerprint (and KVCacheSpec.layout)."""
+    if spec.is_mla:
+        return f"mla[bs,{spec.kv_lora_rank}+{spec.qk_rope_head_dim}]"
+    return "kv[2,Hkv,bs,D]"
 
 
 def model_fingerprint(spec: ModelSpec, model: CausalLM) -> str:

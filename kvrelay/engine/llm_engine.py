@@ -93,7 +93,7 @@ class LLMEngine:
             block_size=self.config.cache.block_size, num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=self.kv.format.name,
             layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)],
-            fingerprint=dict(self.kv.fingerprint))
+            fingerprint=dict(self.kv.fingerprint), latent=spec.is_mla)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,

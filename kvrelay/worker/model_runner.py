@@ -37,6 +37,8 @@ def torch_dtype(name: str) -> torch.dtype:
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: str) -> int:
     """Bytes one block takes across all layers (K and V), stored as `dtype` (a KV format name)."""
     elem = kv_format(dtype).element_size
+    if spec.is_mla:  # one latent per token, no K/V split
+        return spec.num_layers * block_size * spec.head_dim * elem
     return spec.num_layers * 2 * spec.num_kv_heads * block_size * spec.head_dim * elem
 
 
@@ -82,9 +84,11 @@ class ModelRunner:
         spec = self.spec
         caches = {}
         for i, (name, layer) in enumerate(self.model.attention_layers().items()):
-            # [num_blocks, 2 (K, V), H_kv, block_size, D]: a block's bytes are contiguous
-            cache = _zeros_on_huge_pages(
-                (num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim), dtype, self.device)
+            # [num_blocks, 2 (K, V), H_kv, block_size, D], or with MLA [num_blocks, block_size,
+            # kv_lora_rank + qk_rope_head_dim]: a block's bytes are contiguous
+            shape = ((num_blocks, self.block_size, spec.head_dim) if spec.is_mla
+                     else (num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim))
+            cache = _zeros_on_huge_pages(shape, dtype, self.device)
             layer.kv_cache = cache
             layer.kv_format = self.kv_format
             layer.kv_scales = None if self.kv_scales is None else self.kv_scales[i].contiguous()  # [2, Hkv]
