@@ -125,14 +125,18 @@ class DeepseekAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(spec.hidden_size, spec.kv_lora_rank + spec.qk_rope_head_dim,
                                             bias=spec.attention_bias)
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, spec.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim),
+                                   bias=False)
         self.o_proj = nn.Linear(h * spec.v_head_dim, spec.hidden_size, bias=spec.attention_bias)
         self.attn = MLAAttention(f"model.layers.{layer_idx}.self_attn.attn", spec, self.kv_b_proj,
                                  scale=qk_dim**-0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         spec, tokens = self.spec, x.shape[0]
-        q = self.q_proj(x) if spec.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if spec.q_lora_rank is None:
+            q = self.q_proj(x)  # [T, H * (nope + rope)]
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(tokens, spec.num_heads, -1)  # [T, H, nope + rope]
         q_nope, q_rot = q.split([spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
         c_kv, k_rot = self.kv_a_proj_with_mqa(x).split([spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)

@@ -20,6 +20,7 @@ from tests.kv_transfer.offload.helpers import (
     prompts_of,
 )
 from tests.tiny import tiny_loaded_model
+from tests.tiny_mla import tiny_mla_model
 
 FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
 PROMPTS = prompts_of([70, 37])
@@ -77,4 +78,21 @@ def test_example_entries_of_another_format_are_not_found(tmp_path: Path) -> None
     reader = make_llm("float16", example_config(tmp_path))
     generate(reader, PROMPTS)
     assert reader.engine.get_stats()["prompt_tokens_external"] == 0
+    assert_no_leak(reader)
+
+
+@pytest.mark.parametrize("connector", ["offload", "example"])
+def test_an_mla_latent_cache_round_trips_through_offload_and_example(connector: str, tmp_path: Path) -> None:
+    config = offload_config(disk_dir=str(tmp_path)) if connector == "offload" else example_config(tmp_path)
+
+    def mla_llm(kv_transfer_config: dict[str, Any] | None) -> LLM:
+        return LLM(loaded_model=tiny_mla_model(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                   kv_cache_dtype="bfloat16", kv_transfer_config=kv_transfer_config)
+
+    reference = generate(mla_llm(None), PROMPTS)
+    assert generate(mla_llm(config), PROMPTS) == reference
+    reader = mla_llm(config)  # a fresh instance loads what the first stored
+    assert generate(reader, PROMPTS) == reference
+    stats = reader.engine.get_stats()
+    assert stats["prompt_tokens_external"] > 0 and stats["kv_load_failures"] == 0
     assert_no_leak(reader)

@@ -26,6 +26,7 @@ from tests.kv_transfer.nixl.pd import (
     reference_tokens,
 )
 from tests.tiny import tiny_loaded_model
+from tests.tiny_mla import tiny_mla_model
 
 FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
 
@@ -91,3 +92,21 @@ def test_fp8_formats_refuse_each_other_naming_the_dtype(pairs: list[PD],
         pd.decode({"fp8": (tokens, params)}, max_tokens=2)
     assert "kv_cache_dtype differs: ours 'fp8_e4m3', theirs 'fp8_e5m2'" in caplog.text
     assert pd.d.get_stats()["prompt_tokens_external"] == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_pd_moves_an_mla_latent_cache(pairs: list[PD], kv_cache_dtype: str) -> None:
+    def mla_engine(config: dict[str, Any] | None) -> LLMEngine:
+        return LLM(loaded_model=tiny_mla_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                   max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype,
+                   kv_transfer_config=config).engine
+
+    pd = PD(mla_engine(nixl_config("kv_producer")), mla_engine(nixl_config("kv_consumer")))
+    pairs.append(pd)
+    prompts = {"a": prompt(3 * BLOCK_SIZE + 1, 3), "b": prompt(2 * BLOCK_SIZE, 4)}
+    assert pd.run(prompts, max_tokens=5) == reference_tokens(mla_engine(None), prompts, 5)
+    assert pd.d.get_stats()["prompt_tokens_computed"] == len(prompts)
+    element = 4 if kv_cache_dtype == "float32" else 2
+    # one latent tensor per layer: bytes per block = block_size x (kv_lora_rank + rope) x element
+    assert pd.d.kv_cache_spec().block_bytes == BLOCK_SIZE * (32 + 8) * element
+    assert pd.d.get_stats()["kv_transfer_bytes"] > 0
