@@ -96,3 +96,17 @@ def test_an_mla_latent_cache_round_trips_through_offload_and_example(connector: 
     stats = reader.engine.get_stats()
     assert stats["prompt_tokens_external"] > 0 and stats["kv_load_failures"] == 0
     assert_no_leak(reader)
+
+
+def test_an_mla_latent_cache_round_trips_through_a_multi_connector(tmp_path: Path) -> None:
+    children = [offload_config(cpu_bytes="4MiB"), example_config(tmp_path)]
+    config = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": children}}
+    writer = LLM(loaded_model=tiny_mla_model(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                 kv_transfer_config=config)
+    first = generate(writer, PROMPTS)
+    reader = LLM(loaded_model=tiny_mla_model(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                 kv_transfer_config=config)  # fresh: its CPU tier is empty, the Example files remain
+    assert generate(reader, PROMPTS) == first
+    assert reader.engine.get_stats()["prompt_tokens_external"] > 0
+    assert_no_leak(writer)
+    assert_no_leak(reader)

@@ -15,6 +15,7 @@ import pytest
 
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.kv_transfer.transport import nixl_available
 from tests.kv_transfer.nixl.fake_transport import InProcessTransport
 from tests.kv_transfer.nixl.pd import (
     BLOCK_SIZE,
@@ -110,3 +111,37 @@ def test_pd_moves_an_mla_latent_cache(pairs: list[PD], kv_cache_dtype: str) -> N
     # one latent tensor per layer: bytes per block = block_size x (kv_lora_rank + rope) x element
     assert pd.d.kv_cache_spec().block_bytes == BLOCK_SIZE * (32 + 8) * element
     assert pd.d.get_stats()["kv_transfer_bytes"] > 0
+
+
+@pytest.fixture
+def real_transport_pairs() -> Iterator[list[PD]]:
+    """Like `pairs`, with the transports the connector really builds (TCP, NIXL where installed)."""
+    built: list[PD] = []
+    yield built
+    try:
+        for pair in built:
+            pair.settle()
+            assert pair.p.blocks_in_use == 0 and pair.d.blocks_in_use == 0
+    finally:
+        for pair in built:
+            pair.close()
+    assert not kv_threads(), f"threads left behind: {kv_threads()}"
+
+
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not nixl_available(), reason="NIXL is not installed"))])
+def test_mla_latent_cache_over_a_real_transport(real_transport_pairs: list[PD], backend: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRELAY_KV_SECRET", "kv-formats-test-secret-0123456789")
+
+    def mla_engine(config: dict[str, Any] | None) -> LLMEngine:
+        return LLM(loaded_model=tiny_mla_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                   max_num_batched_tokens=256, kv_cache_dtype="float16",
+                   kv_transfer_config=config).engine
+
+    pd = PD(mla_engine(nixl_config("kv_producer", backend=backend)),
+            mla_engine(nixl_config("kv_consumer", backend=backend)))
+    real_transport_pairs.append(pd)
+    prompts = {"c": prompt(4 * BLOCK_SIZE + 3, 5)}
+    assert pd.run(prompts, max_tokens=4) == reference_tokens(mla_engine(None), prompts, 4)
+    assert pd.d.get_stats()["prompt_tokens_computed"] == 1
