@@ -42,6 +42,22 @@ def normalize_dtype(dtype: str) -> str:
     return name
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                           "half": "float16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+
+
+def normalize_kv_cache_dtype(value: str) -> str:
+    """A user's spelling of kv_cache_dtype -> one of KV_CACHE_DTYPES ("auto" stays); ValueError
+    naming the choices otherwise."""
+    name = str(value).lower().removeprefix("torch.")
+    name = _KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (or fp8, bf16, "
+                         f"fp16), got {value!r}")
+    return name
+
+
 def _positive(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -71,9 +87,13 @@ class CacheConfig:
     kv_cache_memory: int = 512 * 1024**2  # bytes for all layers' KV blocks
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact block count instead of a byte budget
+    # What the KV cache stores (vLLM's `--kv-cache-dtype`): "auto" (the model's dtype), float32,
+    # bfloat16, float16, fp8_e4m3, fp8_e5m2; see kvrelay/model/kv_format.py.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        object.__setattr__(self, "cache_dtype", normalize_kv_cache_dtype(self.cache_dtype))
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         _positive("num_blocks_override", self.num_blocks_override, allow_none=True)
 

@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="torch threads per instance (default: the cores split evenly)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache bytes per instance, e.g. 1GiB")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="KV cache format of every instance (P and D must agree): auto, float32, bfloat16, "
+                        "float16, fp8_e4m3, fp8_e5m2")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the children's logs here")
     off = p.add_argument_group("offload tiers for the decode instances (OffloadConnector)")
@@ -51,16 +54,25 @@ def offload_config(args: argparse.Namespace) -> dict[str, Any] | None:
     return chosen
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    import signal
-
-    from kvrelay.disagg.launcher import DEFAULT_CONNECTOR, ClusterError, ClusterSpec, LocalCluster
-
+def serve_args_of(args: argparse.Namespace) -> list[str]:
+    """The `kvrelay serve` flags every instance of the cluster gets from `kvrelay up`'s."""
     serve_args: list[str] = []
     if args.kv_cache_memory is not None:
         serve_args += ["--kv-cache-memory", args.kv_cache_memory]
     if args.max_num_seqs is not None:
         serve_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.kv_cache_dtype is not None:  # P and D must agree: one flag sets it for both
+        from kvrelay.config import normalize_kv_cache_dtype
+        serve_args += ["--kv-cache-dtype", normalize_kv_cache_dtype(args.kv_cache_dtype)]
+    return serve_args
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from kvrelay.disagg.launcher import DEFAULT_CONNECTOR, ClusterError, ClusterSpec, LocalCluster
+
+    serve_args = serve_args_of(args)
     spec = ClusterSpec(model=args.model, host=args.host, port=args.port,
                        connector=args.connector or DEFAULT_CONNECTOR,
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,

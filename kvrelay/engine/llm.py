@@ -17,13 +17,16 @@ from kvrelay.sampling_params import SamplingParams
 class LLM:
     """An engine for offline batches. Arguments mirror vLLM's where they exist:
 
-    LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", max_num_seqs=64,
-        max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0, kv_transfer_config=None)
+    LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", kv_cache_dtype="auto",
+        max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0,
+        kv_transfer_config=None)
+    `kv_cache_dtype`: what the KV cache stores, independent of `dtype` (kvrelay/model/kv_format.py).
     `model=None` is the embedded SmolLM2-135M-Instruct.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, kv_cache_memory: int | str = 512 * 1024**2,
+                 kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  long_prefill_token_threshold: int = 0, num_blocks: int | None = None,
@@ -39,7 +42,7 @@ class LLM:
             cache=CacheConfig(block_size=block_size,
                               kv_cache_memory=parse_size(kv_cache_memory, "kv_cache_memory"),
                               enable_prefix_caching=enable_prefix_caching,
-                              num_blocks_override=num_blocks),
+                              num_blocks_override=num_blocks, cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       long_prefill_token_threshold=long_prefill_token_threshold),

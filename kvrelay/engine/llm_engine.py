@@ -11,6 +11,7 @@ import torch
 
 from kvrelay.config import EngineConfig
 from kvrelay.core.scheduler import Scheduler
+from kvrelay.engine.kv_setup import build_kv_setup
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.model.llama import build_model
@@ -39,15 +40,16 @@ class LLMEngine:
         self.model_name = mcfg.served_model_name or loaded.name
         model = build_model(loaded.spec, loaded.weights, dtype, device)
         loaded.weights = {}  # build_model holds what it needs: drop the loader's references
+        self.kv = build_kv_setup(config, self.spec, model, device)  # format, fp8 scales, fingerprint
 
         self.num_blocks = self._num_blocks(config)
         self.max_model_len = self._max_model_len(config)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.spec.eos_token_ids)))
         scheduler_connector, worker_connector = self._build_connectors(config)
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, scheduler_connector)
-        self.runner = ModelRunner(model, self.spec, self.num_blocks, ccfg.block_size, mcfg.dtype, device,
-                                  seed=mcfg.seed, eos_token_ids=self.eos_token_ids,
-                                  connector=worker_connector)
+        self.runner = ModelRunner(model, self.spec, self.num_blocks, ccfg.block_size, self.kv.format.name,
+                                  device, seed=mcfg.seed, eos_token_ids=self.eos_token_ids,
+                                  connector=worker_connector, kv_scales=self.kv.scales)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parallel = ParallelSampling(self.add_request, lambda rid: rid in self.scheduler.requests,
                                          stagger=ccfg.enable_prefix_caching)
@@ -57,7 +59,7 @@ class LLMEngine:
         ccfg = config.cache
         if ccfg.num_blocks_override is not None:
             return ccfg.num_blocks_override
-        per_block = kv_block_bytes(self.spec, ccfg.block_size, config.model.dtype)
+        per_block = kv_block_bytes(self.spec, ccfg.block_size, self.kv.format.name)
         num_blocks = ccfg.kv_cache_memory // per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={ccfg.kv_cache_memory} bytes holds {num_blocks} blocks of "
@@ -86,12 +88,12 @@ class LLMEngine:
 
     def kv_cache_spec(self) -> Any:
         from kvrelay.kv_transfer.base import KVCacheSpec
-        spec, dtype = self.spec, self.config.model.dtype
+        spec = self.spec
         return KVCacheSpec(
             block_size=self.config.cache.block_size, num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=self.kv.format.name,
             layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)],
-            fingerprint=spec.kv_fingerprint(dtype))
+            fingerprint=dict(self.kv.fingerprint), latent=spec.is_mla)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -191,5 +193,6 @@ class LLMEngine:
         stats.update(
             num_blocks=self.num_blocks, blocks_in_use=self.blocks_in_use,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv)
+            num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv,
+            kv_cache_dtype=self.kv.format.name, kv_bytes_per_token=self.kv.bytes_per_token)
         return stats

@@ -18,6 +18,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB", help="bytes for the KV cache, e.g. 1GiB")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="what the KV cache stores: auto (the model's dtype, default), float32, "
+                        "bfloat16, float16, fp8_e4m3 (fp8), fp8_e5m2")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -35,6 +38,7 @@ def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvrelay import LLM
     return LLM(args.model, dtype=args.dtype, block_size=args.block_size,
                kv_cache_memory=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
+               kv_cache_dtype=args.kv_cache_dtype,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, seed=args.seed)
 

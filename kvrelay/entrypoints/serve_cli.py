@@ -34,6 +34,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kv-transfer-config", default=None, help="KV connector config as a JSON object")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB", help="bytes for the KV cache, e.g. 1GiB")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="what the KV cache stores: auto (the model's dtype, default), float32, "
+                        "bfloat16, float16, fp8_e4m3 (fp8), fp8_e5m2")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -51,7 +54,8 @@ def build_engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed, served_model_name=args.served_model_name),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                          cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         kv_transfer=KVTransferConfig.from_any(args.kv_transfer_config))

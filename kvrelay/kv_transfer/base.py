@@ -48,6 +48,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 
 LAYER_NAME_FORMAT = "model.layers.{i}.self_attn.attn"
 
-_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 class KVConnectorRole(enum.Enum):
@@ -84,10 +85,13 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # the KV cache format: "float32" | "bfloat16" | "float16" | "fp8_e4m3" | "fp8_e5m2"
     layer_names: Sequence[str] = ()  # stored as a tuple; empty: the standard names
     # What two instances must agree on before they exchange KV (ModelSpec.kv_fingerprint).
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # MLA: one latent tensor per layer, [num_blocks, block_size, head_dim] (num_kv_heads 1, no K/V
+    # split; head_dim is kv_lora_rank + qk_rope_head_dim). Replicated on every TP rank.
+    latent: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_SIZES:
@@ -100,14 +104,17 @@ class KVCacheSpec:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int]:
-        """One block of one layer: [2, num_kv_heads, block_size, head_dim]."""
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer: [2, num_kv_heads, block_size, head_dim], or with a latent
+        cache (MLA) [block_size, head_dim]."""
+        if self.latent:
+            return (self.block_size, self.head_dim)
         return (2, self.num_kv_heads, self.block_size, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one layer."""
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim * _DTYPE_SIZES[self.dtype]
+        return math.prod(self.block_shape) * _DTYPE_SIZES[self.dtype]
 
     def fingerprint_digest(self) -> str:
         """A stable hex digest of everything that makes KV bytes interchangeable."""

@@ -54,6 +54,13 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(name, help_text, value=float(stats.get(key, 0)))
         for name, (key, help_text) in _COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=float(stats.get(key, 0)))
+        if "kv_bytes_per_token" in stats:
+            per_token = GaugeMetricFamily(
+                "kvrelay_kv_cache_bytes_per_token",
+                "KV cache bytes per token over all layers (what a transfer moves per token), by format.",
+                labels=["kv_cache_dtype"])
+            per_token.add_metric([str(stats.get("kv_cache_dtype", ""))], float(stats["kv_bytes_per_token"]))
+            yield per_token
 
 
 class ServerMetrics:

@@ -11,6 +11,10 @@ batch in two kinds of work:
 - prefills (several query tokens: a prompt, a chunk of one, or a suffix after a prefix hit): one
   `scaled_dot_product_attention` call each, causal with the query offset `seq_len - query_len`.
 
+The cache stores its own format (`kv_format`, `kvrelay/model/kv_format.py`), whatever the
+weights' dtype: K/V are rounded (fp8: scaled and saturated) when written; the native decode
+kernel reads the stored elements directly, the torch routes widen what they read per step.
+
 NOTE: the decode path reads whole padded blocks and multiplies the masked positions by a zero
 probability, so the KV tensors must hold finite values: allocate them with `torch.zeros`.
 """
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.model.kv_format import KVFormat, dequantize_kv, kv_format, quantize_kv
 from kvrelay.model.native import elementwise_kernels, paged_decode_kernel
 from kvrelay.worker.forward_context import get_forward_context
 
@@ -199,8 +204,11 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # [num_blocks, 2, num_kv_heads, block_size, head_dim]; assigned by the model runner.
+        # [num_blocks, 2, num_kv_heads, block_size, head_dim]; assigned by the model runner,
+        # with the format it stores and, for fp8, the scales: [2 (K, V), num_kv_heads] float32.
         self.kv_cache: torch.Tensor = torch.empty(0)
+        self.kv_format: KVFormat = kv_format("float32")
+        self.kv_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] (already roped; row strides may be padded) -> [T, H*D]."""
@@ -233,16 +241,18 @@ class Attention(nn.Module):
             kernels.write_kv(k, v, cache, meta.slot_mapping)
             return
         blocks, offsets = meta.slot_block_ids, meta.slot_offsets
+        scales = self.kv_scales[:, :, None] if self.kv_scales is not None else (None, None)  # [2, Hkv, 1]
         # Indexing [blocks, kv, :, offsets] selects [num_tokens, Hkv, D].
-        self.kv_cache[blocks, 0, :, offsets] = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.kv_cache[blocks, 1, :, offsets] = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        for index, x in ((0, k), (1, v)):
+            x = x.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            self.kv_cache[blocks, index, :, offsets] = quantize_kv(x, self.kv_format, scales[index])
 
     def _decode(self, q: torch.Tensor, batch: DecodeBatch, meta: AttentionMetadata) -> torch.Tensor:
         """One query per sequence, all sequences at once -> [num_seqs, H*D].
 
-        On the CPU in float32, the native kernel reads each sequence's blocks in place; elsewhere
+        On the CPU with float32 queries, the native kernel reads each sequence's blocks in place; elsewhere
         (or without a C compiler) `_decode_torch`."""
-        kernel = self._native_decode()
+        kernel = self._native_decode() if q.dtype == torch.float32 else None
         if kernel is None:
             return self._decode_torch(q, batch, meta)
         if not 0 <= batch.max_block_id < self.kv_cache.shape[0]:  # C reads wherever it is told
@@ -253,12 +263,12 @@ class Attention(nn.Module):
             queries = queries.contiguous()
         out = q.new_empty(batch.num_seqs, self.num_heads * self.head_dim)  # [n, H*D]
         block_tables = batch.block_ids.view(batch.num_seqs, batch.max_blocks)  # [n, max_blocks]
-        kernel(queries, self.kv_cache, block_tables, batch.seq_lens, out, self.scale)
+        kernel(queries, self.kv_cache, block_tables, batch.seq_lens, out, self.scale, self.kv_scales)
         return out
 
     def _native_decode(self) -> Callable[..., None] | None:
         cache = self.kv_cache
-        if cache.device.type != "cpu" or cache.dtype != torch.float32 or not cache.is_contiguous():
+        if cache.device.type != "cpu" or not cache.is_contiguous():
             return None
         return paged_decode_kernel()
 
@@ -266,7 +276,8 @@ class Attention(nn.Module):
         """The plain-torch decode: gathers the blocks into a padded copy, then batched matmuls.
 
         Works one KV head at a time, and gathers V only after K's scores are done, so each
-        gathered tensor (num_seqs * L * D) is read back while it is still in cache.
+        gathered tensor (num_seqs * L * D) is read back while it is still in cache. A cache in
+        another format than q is widened (and fp8 scaled) after the gather.
         """
         n, hkv, d = batch.num_seqs, self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
@@ -274,18 +285,24 @@ class Attention(nn.Module):
         ctx_len = batch.max_blocks * block_size  # L, padded
         queries = q[batch.token_index].view(n, hkv, group, d)  # [n, Hkv, G, D]
         cache = self.kv_cache.view(self.kv_cache.shape[0], 2, hkv, block_size * d)  # [blocks, 2, Hkv, bs*D]
-        gathered = _workspace(meta, (n * batch.max_blocks, block_size * d), q.dtype)  # [n*nb, bs*D]
-        context = gathered.view(n, ctx_len, d)  # [n, L, D]: K, then V, of one head
+        gathered = _workspace(meta, (n * batch.max_blocks, block_size * d), cache.dtype)  # [n*nb, bs*D]
         mask = batch.mask_as(q.dtype)  # [n, 1, L]
         out = q.new_empty(n, hkv, group, d)  # [n, Hkv, G, D]
         for h in range(hkv):
             torch.index_select(cache[:, 0, h], 0, batch.block_ids, out=gathered)  # keys
-            keys = context.transpose(1, 2)  # [n, D, L]
+            keys = self._widen(gathered, 0, h, q.dtype).view(n, ctx_len, d).transpose(1, 2)  # [n, D, L]
             scores = torch.baddbmm(mask, queries[:, h], keys, alpha=self.scale)  # [n, G, L]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [n, G, L]
             torch.index_select(cache[:, 1, h], 0, batch.block_ids, out=gathered)  # values
-            out[:, h] = torch.bmm(probs, context)  # [n, G, D]
+            values = self._widen(gathered, 1, h, q.dtype).view(n, ctx_len, d)  # [n, L, D]
+            out[:, h] = torch.bmm(probs, values)  # [n, G, D]
         return out.view(n, self.num_heads * d)  # [n, H*D]
+
+    def _widen(self, stored: torch.Tensor, index: int, head: int, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered K (index 0) or V (1) of one head in `dtype`: itself when already so."""
+        if self.kv_scales is not None:
+            return (stored.float() * self.kv_scales[index, head]).to(dtype)
+        return stored if stored.dtype == dtype else stored.to(dtype)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
         """Several queries of one sequence -> [query_len, H*D]."""
@@ -301,8 +318,9 @@ class Attention(nn.Module):
         else:
             blocks = self.kv_cache.index_select(0, seq.block_ids)  # [nb, 2, Hkv, bs, D]
             blocks = blocks.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, Hkv, nb*bs, D]
-            keys = blocks[0, :, : seq.seq_len]  # [Hkv, S, D]
-            values = blocks[1, :, : seq.seq_len]  # [Hkv, S, D]
+            scales = self.kv_scales[:, :, None, None] if self.kv_scales is not None else (None, None)
+            keys = dequantize_kv(blocks[0, :, : seq.seq_len], q.dtype, scales[0])  # [Hkv, S, D]
+            values = dequantize_kv(blocks[1, :, : seq.seq_len], q.dtype, scales[1])  # [Hkv, S, D]
             out = F.scaled_dot_product_attention(
                 queries[None], keys[None], values[None], attn_mask=seq.mask, scale=self.scale, enable_gqa=True
             )  # [1, H, Tq, D]

@@ -234,6 +234,9 @@ def build_model(
     spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> CausalLM:
     """Build on the meta device (no memory), then load the weights in place."""
+    if spec.is_mla:  # DeepSeek-V2/V3: another family with its own module
+        from kvrelay.model.deepseek import build_deepseek
+        return build_deepseek(spec, weights, dtype, device)  # type: ignore[return-value]
     with torch.device("meta"):
         model = CausalLM(spec)
     model.to(dtype=dtype)

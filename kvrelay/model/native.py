@@ -1,6 +1,7 @@
 """Native CPU kernels: small C files next to this module, compiled on first use and called via ctypes.
 
-- `paged_decode.c`: decode attention that reads K/V blocks in place. Plain torch has no paged
+- `paged_decode.c`: decode attention that reads K/V blocks in place, in any KV cache format
+  (float32, bfloat16, float16, fp8), widening each element in registers. Plain torch has no paged
   attention, so the torch route gathers every sequence's blocks into a padded copy first.
 - `linear.c`: x . W^T for a few rows (decode batches), where MKL runs far under the machine's
   limits. See `kvrelay/model/layers.py` for when it is used.
@@ -67,16 +68,23 @@ class NoCompilerError(KernelUnavailable):
 class KernelBuildError(KernelUnavailable):
     """A C compiler exists but did not build a kernel: the message holds its error."""
 
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+PagedDecode = Callable[..., None]
+
+# KV cache element types paged_decode.c reads (its KV_* constants).
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3,
+             torch.float8_e5m2: 4}
 
 
 def paged_decode_kernel(arch: str | None = None) -> PagedDecode | None:
-    """The compiled kernel as `fn(q, kv_cache, block_tables, seq_lens, out, scale)`, or None.
+    """The compiled kernel as `fn(q, kv_cache, block_tables, seq_lens, out, scale, kv_scales=None)`,
+    or None.
 
     q [n, H*D] float32 (rows may be strided, elements contiguous); kv_cache [num_blocks, 2, Hkv,
-    bs, D] contiguous; block_tables [n, max_blocks] int64; seq_lens [n] int64 (each >= 1, covered
-    by its table row); out [n, H*D] contiguous, overwritten. All on the CPU. `arch`: the build
-    target (module docstring), default `KVRELAY_NATIVE_ARCH`."""
+    bs, D] contiguous, float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, read as it is
+    stored; kv_scales [2, Hkv] float32 (K then V scales: the cache holds value / scale), required
+    for fp8 and refused otherwise; block_tables [n, max_blocks] int64; seq_lens [n] int64 (each
+    >= 1, covered by its table row); out [n, H*D] float32 contiguous, overwritten. All on the
+    CPU. `arch`: the build target (module docstring), default `KVRELAY_NATIVE_ARCH`."""
     return _load_paged_decode(arch or env.native_arch()) if env.native_kernels() else None
 
 
@@ -85,9 +93,10 @@ def _load_paged_decode(arch: str) -> PagedDecode | None:
     library = _library_or_none("paged_decode", arch, "decode attention uses torch")
     if library is None:
         return None
-    fn = library.paged_decode_f32
+    fn = library.paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr,  # q, its row stride, kv, tables, lens, out, scratch
+    # q, its row stride, kv, kind, kv_scales, tables, lens, out, scratch
+    fn.argtypes = [ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr,
                    i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = None
     scratch_floats = library.paged_decode_scratch_floats
@@ -101,33 +110,38 @@ def _load_paged_decode(arch: str) -> PagedDecode | None:
         seq_lens: torch.Tensor,
         out: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        _check_decode_args(q, kv_cache, block_tables, seq_lens, out)  # C trusts every pointer
+        _check_decode_args(q, kv_cache, block_tables, seq_lens, out, kv_scales)  # C trusts every pointer
         _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
         num_seqs, max_blocks = block_tables.shape
         num_heads = out.shape[1] // head_dim
         threads = torch.get_num_threads()
         scratch = torch.empty(threads * scratch_floats(num_heads, head_dim, block_size), dtype=torch.float32)
-        fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-           out.data_ptr(), scratch.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-           max_blocks, scale, threads)
+        fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), _KV_KINDS[kv_cache.dtype],
+           None if kv_scales is None else kv_scales.data_ptr(), block_tables.data_ptr(),
+           seq_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), num_seqs, num_heads, num_kv_heads,
+           head_dim, block_size, max_blocks, scale, threads)
 
     return paged_decode
 
 
 def _check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+                       seq_lens: torch.Tensor, out: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
     """Raise ValueError, naming the argument, for a layout the C kernel would misread.
     NOTE: only structure (cheap, every call); the values (block ids inside the cache, lengths
     covered by the tables) are the caller's contract, checked once per step by attention.py."""
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be a contiguous [blocks, 2, Hkv, bs, D] tensor, "
                          f"got {tuple(kv_cache.shape)}")
-    for name, t, dtype in (("q", q, torch.float32), ("kv_cache", kv_cache, torch.float32),
-                           ("out", out, torch.float32), ("block_tables", block_tables, torch.int64),
-                           ("seq_lens", seq_lens, torch.int64)):
+    if kv_cache.dtype not in _KV_KINDS or kv_cache.device.type != "cpu":
+        raise ValueError(f"kv_cache must be a CPU tensor of {', '.join(map(str, _KV_KINDS))}, "
+                         f"got {kv_cache.dtype} on {kv_cache.device}")
+    for name, t, dtype in (("q", q, torch.float32), ("out", out, torch.float32),
+                           ("block_tables", block_tables, torch.int64), ("seq_lens", seq_lens, torch.int64)):
         if t.dtype != dtype or t.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    _check_kv_scales(kv_cache, kv_scales)
     num_seqs = block_tables.shape[0]
     if (block_tables.dim() != 2 or not block_tables.is_contiguous() or not seq_lens.is_contiguous()
             or tuple(seq_lens.shape) != (num_seqs,) or q.shape[0] != num_seqs or out.shape != q.shape):
@@ -137,6 +151,20 @@ def _check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     if q.stride(-1) != 1 or not out.is_contiguous() or q.shape[1] % kv_cache.shape[4]:
         raise ValueError(f"q rows must be contiguous and out contiguous, with H*D a multiple of "
                          f"{kv_cache.shape[4]}")
+
+
+def _check_kv_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    is_fp8 = kv_cache.element_size() == 1
+    if kv_scales is None:
+        if is_fp8:
+            raise ValueError(f"an {kv_cache.dtype} KV cache needs kv_scales [2, Hkv]")
+        return
+    if not is_fp8:
+        raise ValueError(f"kv_scales apply to fp8 KV caches only, got a {kv_cache.dtype} cache")
+    if (kv_scales.dtype != torch.float32 or kv_scales.device.type != "cpu" or not kv_scales.is_contiguous()
+            or tuple(kv_scales.shape) != (2, kv_cache.shape[2])):
+        raise ValueError(f"kv_scales must be a contiguous CPU float32 [2, {kv_cache.shape[2]}] tensor, got "
+                         f"{tuple(kv_scales.shape)} {kv_scales.dtype}")
 
 
 class NativeLinear:

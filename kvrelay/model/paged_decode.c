@@ -1,5 +1,6 @@
-/* Paged decode attention for the CPU, float32: one query token per sequence, reading each
- * sequence's K/V blocks where they lie in the paged cache (no gather into a padded copy).
+/* Paged decode attention for the CPU: one query token per sequence (float32), reading each
+ * sequence's K/V blocks where they lie in the paged cache (no gather into a padded copy), stored as
+ * float32, bfloat16, float16 or fp8 (e4m3 / e5m2, with per-head K and V scales).
  *
  * Compiled on first use by kvrelay/model/native.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes; kvrelay/model/attention.py falls back to plain torch when it is unavailable.
@@ -23,43 +24,104 @@
 #include "simd.h"
 
 
-/* scores[i] = q . k_i for `rows` rows of `k` ([rows, D]); C = D / VLEN, or 0 when D is not a
- * multiple of VLEN (then the plain loop, which the compiler vectorizes as it can). */
-static inline void row_dots(int64_t C, int64_t D, const float *q, const float *k, int64_t rows,
+/* Element kinds of the KV cache (kvrelay/model/kv_format.py's kernel_code). Each is read straight
+ * from the blocks and widened to float in registers: no dequantized copy of the cache exists.
+ *   bf16      the top half of a float: shifted into place
+ *   fp16      converted by the CPU (F16C's vcvtph2ps) where it has it, else by moving its bits
+ *             into a float's and multiplying by 2^(127 - 15), which also gives subnormals exactly
+ *   fp8 e5m2  the top byte of an fp16: shifted, then as fp16
+ *   fp8 e4m3  its bits placed in an fp16 (exponent bias 15 instead of 7): the fp16 is the value
+ *             times 2^-8 (subnormals included), so KV_UNIT folds 2^8 into the scales.
+ * fp8's inf/NaN encodings are never written (kv_format saturates). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4 };
+
+typedef uint32_t vu __attribute__((vector_size(4 * VLEN)));
+typedef uint16_t vh __attribute__((vector_size(2 * VLEN)));  /* VLEN fp16 bit patterns */
+typedef uint16_t vu16_unaligned __attribute__((vector_size(2 * VLEN), aligned(1), may_alias));
+typedef uint8_t vu8_unaligned __attribute__((vector_size(VLEN), aligned(1), may_alias));
+
+static inline int64_t kv_elem_bytes(int kind) { return kind == KV_F32 ? 4 : kind <= KV_F16 ? 2 : 1; }
+/* What a widened element must be multiplied by to be the stored value (folded into the scales). */
+static inline float kv_unit(int kind) { return kind == KV_E4M3 ? 256.0f : 1.0f; }
+
+#if defined(__F16C__) && VLEN == 16
+#include <immintrin.h>
+static inline vf halves_to_float(vh h) { return (vf)_mm512_cvtph_ps((__m256i)h); }
+#elif defined(__F16C__) && VLEN == 8
+#include <immintrin.h>
+static inline vf halves_to_float(vh h) { return (vf)_mm256_cvtph_ps((__m128i)h); }
+#else
+static inline vf halves_to_float(vh h) {
+    const vu w = __builtin_convertvector(h, vu);
+    return (vf)(((w & 0x8000u) << 16) | ((w & 0x7fffu) << 13)) * 0x1p112f;
+}
+#endif
+
+/* VLEN elements at p (element kind `kind`) as floats, in units of kv_unit(kind). */
+static inline vf load_kv(int kind, const char *p) {
+    if (kind == KV_F32) return load((const float *)p);
+    if (kind == KV_BF16) return (vf)(__builtin_convertvector(*(const vu16_unaligned *)p, vu) << 16);
+    if (kind == KV_F16) return halves_to_float(*(const vu16_unaligned *)p);
+    const vh b = __builtin_convertvector(*(const vu8_unaligned *)p, vh);
+    if (kind == KV_E5M2) return halves_to_float(b << 8);
+    return halves_to_float(((b & 0x7f) << 7) | ((b & 0x80) << 8));
+}
+
+/* Element i of p as a float (the scalar twin of load_kv, same units). */
+static inline float load_kv1(int kind, const char *p, int64_t i) {
+    uint32_t bits;
+    float f;
+    switch (kind) {
+        case KV_F32: return ((const float *)p)[i];
+        case KV_BF16: bits = (uint32_t)((const uint16_t *)p)[i] << 16; memcpy(&f, &bits, 4); return f;
+        case KV_F16: bits = ((const uint16_t *)p)[i]; break;
+        case KV_E5M2: bits = (uint32_t)((const uint8_t *)p)[i] << 8; break;
+        default: bits = ((const uint8_t *)p)[i]; bits = ((bits & 0x7fu) << 7) | ((bits & 0x80u) << 8); break;
+    }
+    bits = ((bits & 0x8000u) << 16) | ((bits & 0x7fffu) << 13);  /* an fp16's bits as a float's */
+    memcpy(&f, &bits, 4);
+    return f * 0x1p112f;
+}
+
+/* scores[i] = q . k_i for `rows` rows of `k` ([rows, D] of element kind `kind`); C = D / VLEN, or
+ * 0 when D is not a multiple of VLEN (then the plain loop, which the compiler vectorizes as it can). */
+static inline void row_dots(int kind, int64_t C, int64_t D, const float *q, const char *k, int64_t rows,
                             float *scores) {
+    const int64_t row_bytes = D * kv_elem_bytes(kind), vec_bytes = VLEN * kv_elem_bytes(kind);
     if (C) {
         vf qv[C];
         for (int64_t c = 0; c < C; c++) qv[c] = load(q + VLEN * c);
-        for (int64_t i = 0; i < rows; i++, k += D) {
-            vf acc = qv[0] * load(k);
-            for (int64_t c = 1; c < C; c++) acc += qv[c] * load(k + VLEN * c);
+        for (int64_t i = 0; i < rows; i++, k += row_bytes) {
+            vf acc = qv[0] * load_kv(kind, k);
+            for (int64_t c = 1; c < C; c++) acc += qv[c] * load_kv(kind, k + vec_bytes * c);
             scores[i] = hsum(acc);
         }
         return;
     }
-    for (int64_t i = 0; i < rows; i++, k += D) {
+    for (int64_t i = 0; i < rows; i++, k += row_bytes) {
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < D; d++) sum += q[d] * k[d];
+        for (int64_t d = 0; d < D; d++) sum += q[d] * load_kv1(kind, k, d);
         scores[i] = sum;
     }
 }
 
-/* acc = acc * scale + sum_i p_i v_i over `rows` rows of `v` ([rows, D]). */
-static inline void weighted_rows(int64_t C, int64_t D, float *acc, float scale, const float *p,
-                                 const float *v, int64_t rows) {
+/* acc = acc * scale + sum_i p_i v_i over `rows` rows of `v` ([rows, D] of element kind `kind`). */
+static inline void weighted_rows(int kind, int64_t C, int64_t D, float *acc, float scale, const float *p,
+                                 const char *v, int64_t rows) {
+    const int64_t row_bytes = D * kv_elem_bytes(kind), vec_bytes = VLEN * kv_elem_bytes(kind);
     if (C) {
         vf a[C];
         for (int64_t c = 0; c < C; c++) a[c] = load(acc + VLEN * c) * scale;
-        for (int64_t i = 0; i < rows; i++, v += D)
-            for (int64_t c = 0; c < C; c++) a[c] += p[i] * load(v + VLEN * c);
+        for (int64_t i = 0; i < rows; i++, v += row_bytes)
+            for (int64_t c = 0; c < C; c++) a[c] += p[i] * load_kv(kind, v + vec_bytes * c);
         for (int64_t c = 0; c < C; c++) store(acc + VLEN * c, a[c]);
         return;
     }
     for (int64_t d = 0; d < D; d++) acc[d] *= scale;
-    for (int64_t i = 0; i < rows; i++, v += D)
+    for (int64_t i = 0; i < rows; i++, v += row_bytes)
 #pragma omp simd
-        for (int64_t d = 0; d < D; d++) acc[d] += p[i] * v[d];
+        for (int64_t d = 0; d < D; d++) acc[d] += p[i] * load_kv1(kind, v, d);
 }
 
 /* Turns a block's scores into softmax numerators against the running maximum `*top`, updating
@@ -83,16 +145,16 @@ static inline float online_softmax(float *scores, int64_t rows, float *top, floa
     return rescale;
 }
 
-/* KV heads [h0, h1) of sequence s. `work` is this thread's scratch: see paged_decode_f32. */
+/* KV heads [h0, h1) of sequence s. `work` is this thread's scratch: see paged_decode. */
 static inline void attend(
-    int64_t C, const float *q, int64_t q_row_stride, const float *kv, const int64_t *block_tables,
-    const int64_t *seq_lens, float *out, float *work, int64_t s, int64_t h0, int64_t h1,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-    float scale)
+    int kind, int64_t C, const float *q, int64_t q_row_stride, const char *kv, const float *kv_scales,
+    const int64_t *block_tables, const int64_t *seq_lens, float *out, float *work, int64_t s, int64_t h0,
+    int64_t h1, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t max_blocks, float scale)
 {
     const int64_t D = C ? VLEN * C : head_dim, group = num_heads / num_kv_heads;
     const int64_t heads = (h1 - h0) * group, first = h0 * group;  /* this item's query heads */
-    const int64_t slice = block_size * D;                      /* floats of one head's K (or V) */
+    const int64_t slice = block_size * D * kv_elem_bytes(kind);   /* bytes of one head's K (or V) */
     const int64_t block_stride = 2 * num_kv_heads * slice;
     const int64_t len = seq_lens[s];
     const int64_t *table = block_tables + s * max_blocks;
@@ -102,26 +164,30 @@ static inline void attend(
     float *total = top + heads;                  /* [heads] running sums */
     float *scores = total + heads;               /* [heads, block_size] this block's scores */
     const float *qrow = q + s * q_row_stride + first * D;
-    for (int64_t j = 0; j < heads * D; j++) { qs[j] = qrow[j] * scale; acc[j] = 0.0f; }
-    for (int64_t j = 0; j < heads; j++) { top[j] = -FLT_MAX; total[j] = 0.0f; }
+    for (int64_t j = 0; j < heads; j++) {
+        /* fp8 K holds k / k_scale: q . k = (q * k_scale) . stored */
+        const float qscale = scale * kv_unit(kind) * (kv_scales ? kv_scales[h0 + j / group] : 1.0f);
+        for (int64_t d = 0; d < D; d++) { qs[j * D + d] = qrow[j * D + d] * qscale; acc[j * D + d] = 0.0f; }
+        top[j] = -FLT_MAX; total[j] = 0.0f;
+    }
 
     for (int64_t b = 0, t = 0; t < len; b++, t += block_size) {
         const int64_t rows = len - t < block_size ? len - t : block_size;
-        const float *k = kv + table[b] * block_stride, *v = k + num_kv_heads * slice;
+        const char *k = kv + table[b] * block_stride, *v = k + num_kv_heads * slice;
         /* The next block lies anywhere in the cache. Touching the start of each of its slices
          * that this item reads (4 lines of each) gets the page walks and the hardware prefetcher
          * going before the reads arrive; asking for whole slices row by row measured slower, the
          * prefetches competing with the loads they were meant to serve. */
-        const float *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
+        const char *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
         for (int64_t h = h0; h < h1; h++)
             for (int64_t line = 0; line < 4; line++) {
-                __builtin_prefetch(next + h * slice + 16 * line);  /* 16 floats: a cache line */
-                __builtin_prefetch(next + (num_kv_heads + h) * slice + 16 * line);
+                __builtin_prefetch(next + h * slice + 64 * line);  /* 64 bytes: a cache line */
+                __builtin_prefetch(next + (num_kv_heads + h) * slice + 64 * line);
             }
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g = 0; g < group; g++) {
                 const int64_t j = (h - h0) * group + g;
-                row_dots(C, D, qs + j * D, k + h * slice, rows, scores + j * block_size);
+                row_dots(kind, C, D, qs + j * D, k + h * slice, rows, scores + j * block_size);
             }
         float rescale[heads];
         for (int64_t j = 0; j < heads; j++)
@@ -129,12 +195,15 @@ static inline void attend(
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g = 0; g < group; g++) {
                 const int64_t j = (h - h0) * group + g;
-                weighted_rows(C, D, acc + j * D, rescale[j], scores + j * block_size, v + h * slice, rows);
+                weighted_rows(kind, C, D, acc + j * D, rescale[j], scores + j * block_size, v + h * slice, rows);
             }
     }
     float *o = out + (s * num_heads + first) * D;
-    for (int64_t j = 0; j < heads; j++)
-        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] / total[j];
+    for (int64_t j = 0; j < heads; j++) {
+        /* fp8 V holds v / v_scale: the weighted sum scales back once, at the end */
+        const float vscale = kv_unit(kind) * (kv_scales ? kv_scales[num_kv_heads + h0 + j / group] : 1.0f);
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] * (vscale / total[j]);
+    }
 }
 
 /* Floats of scratch each thread needs (the caller allocates num_threads times this). */
@@ -142,10 +211,38 @@ int64_t paged_decode_scratch_floats(int64_t num_heads, int64_t head_dim, int64_t
     return num_heads * (2 * head_dim + 2 + block_size);
 }
 
-void paged_decode_f32(
+/* One work item, with the element kind and C constants so that each pair is its own unrolled copy. */
+static void attend_item(int kind, const float *q, int64_t q_row_stride, const char *kv,
+                        const float *kv_scales, const int64_t *block_tables, const int64_t *seq_lens,
+                        float *out, float *work, int64_t s, int64_t h0, int64_t h1, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                        float scale)
+{
+#define ATTEND(K, C) attend(K, C, q, q_row_stride, kv, kv_scales, block_tables, seq_lens, out, work, s, h0, \
+                            h1, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale)
+#define BY_HEAD_DIM(K)                                                   \
+    switch (head_dim) { /* a constant C unrolls the vector loops */      \
+        case 64: ATTEND(K, 64 / VLEN); break;                            \
+        case 128: ATTEND(K, 128 / VLEN); break;                          \
+        default: ATTEND(K, head_dim % VLEN ? 0 : head_dim / VLEN);       \
+    }
+    switch (kind) {
+        case KV_F32: BY_HEAD_DIM(KV_F32); break;
+        case KV_BF16: BY_HEAD_DIM(KV_BF16); break;
+        case KV_F16: BY_HEAD_DIM(KV_F16); break;
+        case KV_E4M3: BY_HEAD_DIM(KV_E4M3); break;
+        default: BY_HEAD_DIM(KV_E5M2); break;
+    }
+#undef BY_HEAD_DIM
+#undef ATTEND
+}
+
+void paged_decode(
     const float *q,               /* [num_seqs, num_heads, head_dim], rows q_row_stride apart */
     int64_t q_row_stride,         /* floats between two sequences' queries */
-    const float *kv,              /* [num_blocks, 2, num_kv_heads, block_size, head_dim] */
+    const void *kv,               /* [num_blocks, 2, num_kv_heads, block_size, head_dim], kind `kind` */
+    int kind,                     /* KV_F32 .. KV_E5M2 */
+    const float *kv_scales,       /* [2, num_kv_heads]: K then V scales (fp8), or NULL */
     const int64_t *block_tables,  /* [num_seqs, max_blocks], row-major */
     const int64_t *seq_lens,      /* [num_seqs], tokens of context, >= 1 */
     float *out,                   /* [num_seqs, num_heads, head_dim], contiguous */
@@ -164,14 +261,8 @@ void paged_decode_f32(
         for (int64_t item = 0; item < num_seqs * parts; item++) {
             const int64_t s = item / parts;
             const int64_t h0 = parts == 1 ? 0 : item % parts, h1 = parts == 1 ? num_kv_heads : h0 + 1;
-#define ATTEND(C) attend(C, q, q_row_stride, kv, block_tables, seq_lens, out, work, s, h0, h1, num_heads, \
-                         num_kv_heads, head_dim, block_size, max_blocks, scale)
-            switch (head_dim) {  /* a constant C unrolls the vector loops */
-                case 64: ATTEND(64 / VLEN); break;
-                case 128: ATTEND(128 / VLEN); break;
-                default: ATTEND(head_dim % VLEN ? 0 : head_dim / VLEN);
-            }
-#undef ATTEND
+            attend_item(kind, q, q_row_stride, (const char *)kv, kv_scales, block_tables, seq_lens, out,
+                        work, s, h0, h1, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
         }
     }
 }

@@ -17,6 +17,7 @@ import torch
 
 from kvrelay.core.sched_output import SchedulerOutput
 from kvrelay.model.attention import build_attention_metadata
+from kvrelay.model.kv_format import kv_dtype_names, kv_format
 from kvrelay.model.llama import CausalLM
 from kvrelay.model.native import log_active_kernels
 from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
@@ -25,16 +26,19 @@ from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.worker.forward_context import NO_CONNECTOR, ForwardContext, set_forward_context
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
+    """A model dtype or resolved KV cache format name -> the torch dtype it stores."""
+    if name not in kv_dtype_names():
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(kv_dtype_names())}")
+    return kv_format(name).torch_dtype
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: str) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    elem = torch.tensor([], dtype=torch_dtype(dtype)).element_size()
+    """Bytes one block takes across all layers (K and V), stored as `dtype` (a KV format name)."""
+    elem = kv_format(dtype).element_size
+    if spec.is_mla:  # one latent per token, no K/V split
+        return spec.num_layers * block_size * spec.head_dim * elem
     return spec.num_layers * 2 * spec.num_kv_heads * block_size * spec.head_dim * elem
 
 
@@ -53,7 +57,11 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: ModelSpec, num_blocks: int, block_size: int,
                  dtype: str, device: torch.device, seed: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), connector: Any = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), connector: Any = None,
+                 kv_scales: torch.Tensor | None = None) -> None:
+        """`dtype`: the KV cache format (kvrelay/model/kv_format.py: float32, bfloat16, float16,
+        fp8_e4m3, fp8_e5m2), whatever the weights' dtype; fp8 needs `kv_scales` [num_layers, 2,
+        num_kv_heads] (kvrelay/worker/kv_calibration.py)."""
         self.model = model
         self.spec = spec
         self.block_size = block_size
@@ -62,7 +70,12 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.connector = connector  # worker-side KV connector, or None
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_caches = self._allocate_kv_caches(num_blocks, torch_dtype(dtype))
+        self.kv_format = kv_format(dtype)
+        if self.kv_format.is_fp8 != (kv_scales is not None):
+            raise ValueError(f"KV cache format {dtype} {'needs' if self.kv_format.is_fp8 else 'takes no'} "
+                             "kv_scales")
+        self.kv_scales = kv_scales
+        self.kv_caches = self._allocate_kv_caches(num_blocks, self.kv_format.torch_dtype)
         log_active_kernels(device)  # which native CPU kernels serve this model, once per process
         if connector is not None:
             connector.register_kv_caches(self.kv_caches)
@@ -70,11 +83,15 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         spec = self.spec
         caches = {}
-        for name, layer in self.model.attention_layers().items():
-            # [num_blocks, 2 (K, V), H_kv, block_size, D]: a block's bytes are contiguous
-            cache = _zeros_on_huge_pages(
-                (num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim), dtype, self.device)
+        for i, (name, layer) in enumerate(self.model.attention_layers().items()):
+            # [num_blocks, 2 (K, V), H_kv, block_size, D], or with MLA [num_blocks, block_size,
+            # kv_lora_rank + qk_rope_head_dim]: a block's bytes are contiguous
+            shape = ((num_blocks, self.block_size, spec.head_dim) if spec.is_mla
+                     else (num_blocks, 2, spec.num_kv_heads, self.block_size, spec.head_dim))
+            cache = _zeros_on_huge_pages(shape, dtype, self.device)
             layer.kv_cache = cache
+            layer.kv_format = self.kv_format
+            layer.kv_scales = None if self.kv_scales is None else self.kv_scales[i].contiguous()  # [2, Hkv]
             caches[name] = cache
         return caches
 

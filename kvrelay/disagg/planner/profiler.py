@@ -310,7 +310,7 @@ def _build_profile(engine: Any, samples: dict[str, list[dict[str, Any]]], thread
     return Profile(
         model=model_name or engine.model_name,
         engine={"block_size": bs, "num_blocks": engine.num_blocks,
-                "kv_bytes_per_token": kv_block_bytes(engine.spec, bs, cfg.model.dtype) // bs,
+                "kv_bytes_per_token": kv_block_bytes(engine.spec, bs, engine.kv.format.name) // bs,
                 "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
                 "max_num_seqs": cfg.scheduler.max_num_seqs, "max_model_len": engine.max_model_len},
         prefill=prefill, decode=decode, transfer=transfer, dtype=cfg.model.dtype,

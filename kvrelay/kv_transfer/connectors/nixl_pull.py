@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from kvrelay.kv_transfer.compat import describe_difference
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import (
     LEASE_ALIVE,
@@ -275,9 +276,10 @@ class Puller:
             return (f"{where} is engine {reply.engine_id}, the params name {peer.engine_id} "
                     "(did the prefill instance restart?)")
         if reply.fingerprint_digest != me.fingerprint_digest:
-            return (f"{where} runs another model or KV format: its fingerprint is {reply.fingerprint}, "
-                    f"ours is {me.fingerprint}; pair the decode instance with a prefill instance "
-                    "of the same model")
+            difference = describe_difference(me.fingerprint, reply.fingerprint) or (
+                f"digest differs: ours {me.fingerprint_digest}, theirs {reply.fingerprint_digest}")
+            return (f"{where} holds KV we cannot use ({difference}); pair the decode instance with a "
+                    "prefill instance of the same model and --kv-cache-dtype")
         mismatches = [(name, theirs, ours) for name, theirs, ours in (
             ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
             ("layer_names", reply.layer_names, list(me.layout.layer_names)),

@@ -38,13 +38,13 @@ from kvrelay.kv_transfer.offload.codec import header_size, seal_chunk
 from kvrelay.kv_transfer.offload.config import OffloadConfig
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 from kvrelay.kv_transfer.offload.store import Expected, TieredStore
+from kvrelay.model.kv_format import kv_format
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.base import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PENDING_WAIT_SECONDS = 0.005  # how long a "pending" question waits for the writer to drain
 _CHUNKS_PER_READ = 4  # chunks fetched per batched tier read (bounds a load's peak memory)
 
@@ -119,10 +119,12 @@ class _Background:
                  stats: OffloadStats, caches: list[torch.Tensor]) -> None:
         self.store = store
         self.stats = stats
-        self.caches = caches  # per layer [num_blocks, 2, H_kv, block_size, D]
+        # NOTE: fp8 caches are moved as their bytes (torch has no fp8 index_copy on the CPU).
+        fmt = kv_format(kv_spec.dtype)
+        self.dtype = torch.uint8 if fmt.is_fp8 else fmt.torch_dtype
+        self.caches = [c.view(self.dtype) for c in caches]  # per layer [num_blocks, 2, H_kv, block_size, D]
         self.block_size = kv_spec.block_size
         self.blocks_per_chunk = config.chunk_tokens // kv_spec.block_size
-        self.dtype = _TORCH_DTYPES[kv_spec.dtype]
         self.fingerprint = kv_spec.fingerprint_digest()
         self.block_shape = tuple(kv_spec.block_shape)  # [2, H_kv, block_size, D]
         self.max_staging = config.max_pending_stores

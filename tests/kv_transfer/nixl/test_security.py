@@ -247,4 +247,5 @@ def test_fingerprint_mismatch_is_refused_with_a_clear_error(make_pd, reference, 
     with caplog.at_level(logging.WARNING):
         out = pd.decode({"fp": (tokens, params)}, max_tokens=4)["fp"]
     assert out.outputs[0].token_ids == reference_tokens(reference, {"fp": tokens}, 4)["fp"]
-    assert "runs another model or KV format" in caplog.text
+    assert "holds KV we cannot use (model differs: ours 'llama/L2/" in caplog.text
+    assert "theirs 'llama/L3/" in caplog.text

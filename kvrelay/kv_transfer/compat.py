@@ -1,0 +1,51 @@
+"""The compatibility digest: what two instances must agree on before KV bytes pass between them.
+
+KV written by one instance is only meaningful to another that reads the same bytes the same way:
+the same model (weights, not just shapes), the same element format and fp8 scales, the same
+layout, block size, head size and KV heads, and the same rule mapping heads to TP ranks. These
+fields, in this order, are `KVCacheSpec.fingerprint`; its digest is exchanged in the NIXL/TCP
+handshake and roots every key of the offload tiers and the Example connector, so an entry written
+in one format is never found by a cache of another (an fp32 entry never lands in an fp8 cache).
+
+When two fingerprints differ, `first_difference` names the first field that does and both values,
+which is what a refusal says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+COMPAT_FIELDS = ("model", "kv_cache_dtype", "kv_scales", "layout", "block_size", "head_size",
+                 "num_kv_heads", "tp_mapping")
+
+# How ranks hold KV heads (DESIGN.md, tensor parallelism): the same rule for every TP size, so
+# instances of different TP sizes stay compatible; the sizes themselves are negotiated per pull.
+TP_MAPPING = "kv-heads-contiguous-split-or-replicated-v1"
+
+
+def compat_fingerprint(*, model: str, kv_cache_dtype: str, kv_scales: str, layout: str, block_size: int,
+                       head_size: int, num_kv_heads: int, tp_mapping: str = TP_MAPPING) -> dict[str, Any]:
+    """The ordered fingerprint (COMPAT_FIELDS). `kv_scales`: the scales policy and a digest of the
+    scales ("none" for formats without); `layout`: e.g. "kv[2,Hkv,bs,D]" or MLA's latent tensor."""
+    values = (model, kv_cache_dtype, kv_scales, layout, block_size, head_size, num_kv_heads, tp_mapping)
+    return dict(zip(COMPAT_FIELDS, values, strict=True))
+
+
+def first_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first field (COMPAT_FIELDS order, then any other key sorted) whose values differ, with
+    ours and theirs; None when they agree. A field one side lacks counts as differing."""
+    extra = sorted((set(ours) | set(theirs)) - set(COMPAT_FIELDS))
+    for name in (*COMPAT_FIELDS, *extra):
+        if ours.get(name) != theirs.get(name):
+            return name, ours.get(name), theirs.get(name)
+    return None
+
+
+def describe_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str | None:
+    """"kv_cache_dtype differs: ours 'bfloat16', theirs 'float32'", or None when compatible."""
+    found = first_difference(ours, theirs)
+    if found is None:
+        return None
+    name, mine, other = found
+    return f"{name} differs: ours {mine!r}, theirs {other!r}"

@@ -1,0 +1,33 @@
+"""The compatibility fingerprint: field order and the first difference a refusal names."""
+
+from __future__ import annotations
+
+from kvrelay.kv_transfer.compat import (
+    COMPAT_FIELDS,
+    compat_fingerprint,
+    describe_difference,
+    first_difference,
+)
+
+
+def fingerprint(**changes: object) -> dict[str, object]:
+    base = dict(model="llama/L2/w0", kv_cache_dtype="float32", kv_scales="none", layout="kv[2,Hkv,bs,D]",
+                block_size=16, head_size=64, num_kv_heads=3)
+    return compat_fingerprint(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_fields_come_in_the_documented_order() -> None:
+    assert tuple(fingerprint()) == COMPAT_FIELDS
+
+
+def test_the_first_differing_field_is_named_with_both_values() -> None:
+    ours, theirs = fingerprint(kv_cache_dtype="bfloat16", block_size=32), fingerprint()
+    assert first_difference(ours, theirs) == ("kv_cache_dtype", "bfloat16", "float32")
+    assert describe_difference(ours, theirs) == "kv_cache_dtype differs: ours 'bfloat16', theirs 'float32'"
+    assert describe_difference(fingerprint(), fingerprint()) is None
+
+
+def test_a_field_only_one_side_has_differs() -> None:
+    theirs = {k: v for k, v in fingerprint().items() if k != "tp_mapping"}
+    assert first_difference(fingerprint(), theirs) == ("tp_mapping", fingerprint()["tp_mapping"], None)
+    assert first_difference({**fingerprint(), "extra": 1}, fingerprint()) == ("extra", 1, None)
