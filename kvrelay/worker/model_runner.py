@@ -23,7 +23,8 @@ from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.worker.forward_context import NO_CONNECTOR, ForwardContext, set_forward_context
+from kvrelay.worker.forward_context import ForwardContext, set_forward_context
+from kvrelay.worker.kv_connector_step import NULL_WORKER_CONNECTOR, WorkerConnector, kv_connector_step
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,19 +54,19 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: ModelSpec, num_blocks: int, block_size: int,
                  dtype: str, device: torch.device, seed: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), connector: Any = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (),
+                 connector: WorkerConnector = NULL_WORKER_CONNECTOR) -> None:
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(seed)
-        self.connector = connector  # worker-side KV connector, or None
+        self.connector = connector  # worker-side KV connector (the null one without KV transfer)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches = self._allocate_kv_caches(num_blocks, torch_dtype(dtype))
         log_active_kernels(device)  # which native CPU kernels serve this model, once per process
-        if connector is not None:
-            connector.register_kv_caches(self.kv_caches)
+        connector.register_kv_caches(self.kv_caches)
 
     def _allocate_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         spec = self.spec
@@ -82,16 +83,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched_out)
-        connector = self.connector
-        if connector is not None:
-            connector.bind_connector_metadata(sched_out.kv_connector_metadata)
-        try:
+        with kv_connector_step(self.connector, sched_out) as step:
             output = self._forward_and_sample(sched_out)
-            if connector is not None:
-                output.kv_connector_output = connector.get_finished(sched_out.finished_req_ids)
-        finally:
-            if connector is not None:
-                connector.clear_connector_metadata()
+        output.kv_connector_output = step.output
         return output
 
     def _forward_and_sample(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -99,15 +93,14 @@ class ModelRunner:
         req_ids = list(sched_out.num_scheduled_tokens)
         batch = self._prepare_inputs(req_ids, sched_out.num_scheduled_tokens) if req_ids else None
         attn_metadata = {name: batch["attn_metadata"] for name in self.kv_caches} if batch else {}
-        context = ForwardContext(attn_metadata=attn_metadata,
-                                 kv_connector=connector if connector is not None else NO_CONNECTOR)
+        context = ForwardContext(attn_metadata=attn_metadata, kv_connector=connector)
         with set_forward_context(context):
-            if connector is not None:
-                connector.start_load_kv(context)
+            connector.start_load_kv(context)
             hidden = self.model(batch["input_ids"], batch["positions"]) if batch else None
-            if connector is not None:
-                connector.wait_for_save()
-        if batch is None or hidden is None:
+            connector.wait_for_save()
+        if batch is None or hidden is None or not self.model.tp.is_first:
+            # NOTE: with a replicated LM head only rank 0 samples; the others only ran the forward
+            # pass their all-reduces need.
             return ModelRunnerOutput.empty()
         return self._sample(req_ids, batch, hidden)
 
