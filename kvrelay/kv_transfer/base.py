@@ -88,6 +88,10 @@ class KVCacheSpec:
     layer_names: Sequence[str] = ()  # stored as a tuple; empty: the standard names
     # What two instances must agree on before they exchange KV (ModelSpec.kv_fingerprint).
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # Tensor parallelism: this cache is rank `tp_rank`'s shard out of `tp_size` (num_kv_heads
+    # is the shard's). The scheduler side sees rank 0's spec and the same tp_size.
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_SIZES:

@@ -35,7 +35,7 @@ class WorkerPlan:
     eos_token_ids: tuple[int, ...]
 
 
-def kv_cache_spec(config: EngineConfig, spec: ModelSpec) -> Any:
+def kv_cache_spec(config: EngineConfig, spec: ModelSpec, tp_rank: int = 0) -> Any:
     """The KVCacheSpec of one rank's cache, from the spec of the model that rank runs."""
     from kvrelay.kv_transfer.base import LAYER_NAME_FORMAT, KVCacheSpec
     dtype = config.model.dtype
@@ -43,16 +43,17 @@ def kv_cache_spec(config: EngineConfig, spec: ModelSpec) -> Any:
         block_size=config.cache.block_size, num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
         layer_names=[LAYER_NAME_FORMAT.format(i=i) for i in range(spec.num_layers)],
-        fingerprint=spec.kv_fingerprint(dtype))
+        fingerprint=spec.kv_fingerprint(dtype), tp_rank=tp_rank,
+        tp_size=config.parallel.tensor_parallel_size)
 
 
-def build_worker_connector(config: EngineConfig, local_spec: ModelSpec) -> WorkerConnector:
+def build_worker_connector(config: EngineConfig, local_spec: ModelSpec, tp_rank: int) -> WorkerConnector:
     if config.kv_transfer is None or config.kv_transfer.kv_connector is None:
         return NULL_WORKER_CONNECTOR
     from kvrelay.kv_transfer.base import KVConnectorRole
     from kvrelay.kv_transfer.factory import create_connector
     connector: WorkerConnector = create_connector(config, KVConnectorRole.WORKER,
-                                                  kv_cache_spec(config, local_spec))
+                                                  kv_cache_spec(config, local_spec, tp_rank))
     return connector
 
 
@@ -64,7 +65,7 @@ class Worker:
         mcfg = config.model
         device = torch.device(mcfg.device)
         model = build_model(plan.spec, weights, torch_dtype(mcfg.dtype), device, self.tp)
-        connector = build_worker_connector(config, model.spec)
+        connector = build_worker_connector(config, model.spec, self.tp.rank)
         self.runner = ModelRunner(model, model.spec, plan.num_blocks, config.cache.block_size, mcfg.dtype,
                                   device, seed=mcfg.seed, eos_token_ids=plan.eos_token_ids,
                                   connector=connector)
