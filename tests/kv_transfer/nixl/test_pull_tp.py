@@ -58,3 +58,22 @@ def test_every_tp_pair_answers_like_one_instance(engines: Any, p_tp: int, d_tp: 
     pd.settle(timeout_s=30)
     assert pd.p.blocks_in_use == 0 and pd.d.blocks_in_use == 0
 
+
+
+@pytest.mark.parametrize("when", ["admitted", "loading"])
+def test_abort_during_a_tp2_load_releases_every_rank(engines: Any, when: str) -> None:
+    """D tp 2 aborts a request whose two rank pulls are in flight: both ranks settle, the request
+    ends aborted, and neither instance keeps a block on any rank."""
+    built, _ = engines
+    pd = PD(built[("p", 2)], built[("d", 2)])
+    tokens = prompt(3 * BLOCK_SIZE + 1, salt=40 + len(when))
+    params = pd.prefill(tokens, f"p-abort-{when}")
+    pd.d.add_request({"prompt_token_ids": tokens}, greedy(3), request_id=f"abort-{when}",
+                     kv_transfer_params=params)
+    pd.d.step()  # admitted: WAITING_FOR_REMOTE_KVS, the pulls are with both workers
+    if when == "loading":
+        pd.d.step()
+    pd.d.abort_request(f"abort-{when}")
+    pd.settle(timeout_s=30)
+    assert f"abort-{when}" not in pd.d.scheduler.requests
+    assert pd.p.blocks_in_use == 0 and pd.d.blocks_in_use == 0
