@@ -145,6 +145,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_run(host: str, count: int, attempts: int = 50) -> int:
+    """A port p with p .. p + count - 1 all free now (a TP instance's ranks listen on kv_port + rank)."""
+    for _ in range(attempts):
+        first = free_port(host)
+        if first + count - 1 > 65535:
+            continue
+        try:
+            for port in range(first + 1, first + count):
+                check_port_free(host, port)
+        except ClusterError:
+            continue
+        return first
+    raise ClusterError(f"found no {count} consecutive free ports on {host} in {attempts} tries")
+
+
 def check_port_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -346,10 +361,10 @@ class LocalCluster:
         port = free_port(spec.host)
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
         offload = spec.offload if kv_role == "kv_consumer" else None
-        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port(spec.host), plan,
+        tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
+        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port_run(spec.host, tp), plan,
                                     spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
-        tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
         return ChildProcess(name, serve_argv(spec, port, config, tp), f"http://{spec.host}:{port}",
                             log_dir / f"{name}.log", env)
 

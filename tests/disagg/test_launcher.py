@@ -75,6 +75,15 @@ def test_prefill_and_decode_tp_reach_their_instances() -> None:
         ClusterSpec(decode_tp=0)
 
 
+def test_a_tp_instance_gets_a_run_of_free_kv_ports() -> None:
+    from kvrelay.disagg.launcher import free_port_run
+
+    first = free_port_run("127.0.0.1", 4)
+    for port in range(first, first + 4):  # every rank's side channel can bind its port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_up_cli_takes_prefill_tp_and_decode_tp() -> None:
     from kvrelay.entrypoints.cli import build_parser
 
