@@ -111,13 +111,39 @@ class SchedulerConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
 
 
+_EXECUTOR_BACKENDS = ("uni", "mp")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    # Number of workers whose connector reports must all arrive before a transfer counts as done.
-    world_size: int = 1
+    tensor_parallel_size: int = 1
+    # vLLM's names: "uni" runs the one worker in the engine's process, "mp" one process per rank.
+    # None: "uni" at tensor_parallel_size 1, else "mp".
+    distributed_executor_backend: str | None = None
+    # A step that no worker of "mp" finishes within this many seconds fails the instance.
+    worker_step_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _positive("world_size", self.world_size)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if self.tensor_parallel_size == 1 else "mp"
+        if backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(_EXECUTOR_BACKENDS)}, "
+                             f"got {backend!r}")
+        if backend == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
+                             f"tensor_parallel_size={self.tensor_parallel_size}: use 'mp'")
+        object.__setattr__(self, "distributed_executor_backend", backend)
+        if isinstance(self.worker_step_timeout_s, bool) or not isinstance(
+                self.worker_step_timeout_s, int | float) or self.worker_step_timeout_s <= 0:
+            raise ValueError("worker_step_timeout_s must be a positive number, "
+                             f"got {self.worker_step_timeout_s!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Workers whose connector reports must all arrive before a transfer counts as done."""
+        return self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ connector's per-step metadata rides along in `kv_connector_metadata`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvrelay.sampling_params import SamplingParams
+# NOTE: a runtime import (not TYPE_CHECKING only): the executor decodes SchedulerOutput by its
+# type hints in worker processes.
+from kvrelay.sampling_params import SamplingParams
 
 
 @dataclass

@@ -112,12 +112,14 @@ class ClusterSpec:
     log_dir: str | None = None  # None: inside the cluster's temp directory (removed at exit)
     # OffloadConnector extra config for the decode instances (None: no offload tiers).
     offload: dict[str, Any] | None = None
+    prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
+    decode_tp: int = 1  # tensor_parallel_size of each decode instance
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
             raise ValueError(f"unknown connector {self.connector!r} for `kvrelay up`; "
                              f"known: {', '.join(CONNECTOR_PLANS)}")
-        for name in ("num_prefill", "num_decode"):
+        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads_per_instance is not None and self.threads_per_instance < 1:
@@ -141,6 +143,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_port_run(host: str, count: int, attempts: int = 50) -> int:
+    """A port p with p .. p + count - 1 all free now (a TP instance's ranks listen on kv_port + rank)."""
+    for _ in range(attempts):
+        first = free_port(host)
+        if first + count - 1 > 65535:
+            continue
+        try:
+            for port in range(first + 1, first + count):
+                check_port_free(host, port)
+        except ClusterError:
+            continue
+        return first
+    raise ClusterError(f"found no {count} consecutive free ports on {host} in {attempts} tries")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -226,12 +243,15 @@ def stop_children(children: list[ChildProcess], grace_period: float) -> None:
             child.process.wait()
 
 
-def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any]) -> list[str]:
+def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
+               tensor_parallel_size: int = 1) -> list[str]:
     argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
     if spec.model:
         argv.append(spec.model)
     argv += ["--host", spec.host, "--port", str(port), "--threads", str(spec.threads),
              "--kv-transfer-config", json.dumps(transfer_config), *spec.serve_args]
+    if tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return argv
 
 
@@ -341,10 +361,11 @@ class LocalCluster:
         port = free_port(spec.host)
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
         offload = spec.offload if kv_role == "kv_consumer" else None
-        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port(spec.host), plan,
+        tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
+        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port_run(spec.host, tp), plan,
                                     spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
-        return ChildProcess(name, serve_argv(spec, port, config), f"http://{spec.host}:{port}",
+        return ChildProcess(name, serve_argv(spec, port, config, tp), f"http://{spec.host}:{port}",
                             log_dir / f"{name}.log", env)
 
     def _wait_healthy(self, children: list[ChildProcess]) -> None:

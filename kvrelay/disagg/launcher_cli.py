@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="KV connector linking P and D (default: NixlConnector)")
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="tensor-parallel size of each prefill instance (default 1)")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="tensor-parallel size of each decode instance (default 1)")
     p.add_argument("--threads-per-instance", type=int, default=None,
                    help="torch threads per instance (default: the cores split evenly)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache bytes per instance, e.g. 1GiB")
@@ -78,7 +82,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,
                        threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
                        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
-                       offload=offload_config(args))
+                       offload=offload_config(args), prefill_tp=args.prefill_tp,
+                       decode_tp=args.decode_tp)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt

@@ -103,6 +103,8 @@ class AsyncLLM:
         # Engine thread only: the stream of each request the engine holds, by engine request id.
         self._routes: dict[str, _Stream] = {}
         self._made_no_progress = False
+        # Called once, from the engine thread, if the engine crashes (the server stops on it).
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
         self._thread.start()
 
@@ -164,6 +166,11 @@ class AsyncLLM:
         return self._thread.is_alive() and self._error is None and not self._stopping
 
     @property
+    def crashed(self) -> bool:
+        """Whether the engine thread died of an exception (not a shutdown)."""
+        return self._error is not None
+
+    @property
     def dead_reason(self) -> str | None:
         if self._error is not None:
             return f"the engine thread crashed: {type(self._error).__name__}: {self._error}"
@@ -203,6 +210,8 @@ class AsyncLLM:
             self._error = e
             logger.exception("the engine thread crashed; failing every request in flight")
             self._fail_all(RequestFailedError(f"engine error: {type(e).__name__}: {e}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
             return
         self._drain_and_close()
 

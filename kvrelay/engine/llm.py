@@ -19,7 +19,7 @@ class LLM:
 
     LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", kv_cache_dtype="auto",
         max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0,
-        kv_transfer_config=None)
+        kv_transfer_config=None, tensor_parallel_size=1, distributed_executor_backend=None)
     `kv_cache_dtype`: what the KV cache stores, independent of `dtype` (kvrelay/model/kv_format.py).
     `model=None` is the embedded SmolLM2-135M-Instruct.
     """
@@ -30,7 +30,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  long_prefill_token_threshold: int = 0, num_blocks: int | None = None,
-                 seed: int = 0, kv_transfer_config: Any = None, world_size: int = 1,
+                 seed: int = 0, kv_transfer_config: Any = None, tensor_parallel_size: int = 1,
+                 distributed_executor_backend: str | None = None,
                  loaded_model: LoadedModel | None = None) -> None:
         kv_transfer = None
         if kv_transfer_config is not None:
@@ -46,7 +47,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
-            parallel=ParallelConfig(world_size=world_size),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend),
             kv_transfer=kv_transfer)
         self.engine = LLMEngine(config, loaded=loaded_model)
 

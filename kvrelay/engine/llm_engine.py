@@ -14,12 +14,15 @@ from kvrelay.core.scheduler import Scheduler
 from kvrelay.engine.kv_setup import build_kv_setup
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
-from kvrelay.model.llama import build_model
+from kvrelay.executor import create_executor
+from kvrelay.kv_transfer.protocols import SchedulerConnector
 from kvrelay.model.loader import LoadedModel, load_model
+from kvrelay.model.sharding import check_tensor_parallel, shard_layout, shard_spec
 from kvrelay.outputs import RequestOutput
 from kvrelay.request import Request, RequestStatus
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
+from kvrelay.worker.worker import WorkerPlan, kv_cache_spec
 
 logger = logging.getLogger(__name__)
 
@@ -31,35 +34,52 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         mcfg, ccfg = config.model, config.cache
-        dtype = torch_dtype(mcfg.dtype)
-        device = torch.device(mcfg.device)
         if loaded is None:
-            loaded = load_model(mcfg.model, dtype=dtype)
+            loaded = load_model(mcfg.model, dtype=torch_dtype(mcfg.dtype))
         self.spec = loaded.spec
+        tp_size = config.parallel.tensor_parallel_size
+        check_tensor_parallel(self.spec, tp_size)
+        # The spec of the model one rank runs: its KV heads size the blocks and the connectors.
+        self.rank_spec = shard_spec(self.spec, shard_layout(self.spec, 0, tp_size))
         self.tokenizer = loaded.tokenizer
         self.model_name = mcfg.served_model_name or loaded.name
-        model = build_model(loaded.spec, loaded.weights, dtype, device)
-        loaded.weights = {}  # build_model holds what it needs: drop the loader's references
-        self.kv = build_kv_setup(config, self.spec, model, device)  # format, fp8 scales, fingerprint
+        dtype = torch_dtype(mcfg.dtype)
+        # Format, fp8 scales and compatibility fingerprint, from the whole (unsharded) model.
+        self.kv = build_kv_setup(config, self.spec, loaded.weights, dtype, torch.device(mcfg.device))
 
         self.num_blocks = self._num_blocks(config)
         self.max_model_len = self._max_model_len(config)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.spec.eos_token_ids)))
-        scheduler_connector, worker_connector = self._build_connectors(config)
-        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, scheduler_connector)
-        self.runner = ModelRunner(model, self.spec, self.num_blocks, ccfg.block_size, self.kv.format.name,
-                                  device, seed=mcfg.seed, eos_token_ids=self.eos_token_ids,
-                                  connector=worker_connector, kv_scales=self.kv.scales)
+        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len,
+                                   self._build_scheduler_connector(config))
+        plan = WorkerPlan(config=config, spec=self.spec, num_blocks=self.num_blocks,
+                          eos_token_ids=self.eos_token_ids, kv=self.kv)
+        # NOTE: "mp" workers load a model path themselves (memory-mapped); an in-memory model's
+        # tensors are handed over. The engine keeps no reference to the weights after this.
+        in_memory = loaded.source == "memory" or config.parallel.distributed_executor_backend == "uni"
+        weights, loaded.weights = (loaded.weights if in_memory else None), {}
+        self.executor = create_executor(plan, weights, None if in_memory else loaded.source)
+        del weights
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parallel = ParallelSampling(self.add_request, lambda rid: rid in self.scheduler.requests,
                                          stagger=ccfg.enable_prefix_caching)
         self._ids = itertools.count()
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process model runner (executor `uni` only)."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            backend = self.config.parallel.distributed_executor_backend
+            raise AttributeError(f"the model runners of executor {backend!r} live in other processes")
+        runner: ModelRunner = worker.runner
+        return runner
+
     def _num_blocks(self, config: EngineConfig) -> int:
         ccfg = config.cache
         if ccfg.num_blocks_override is not None:
             return ccfg.num_blocks_override
-        per_block = kv_block_bytes(self.spec, ccfg.block_size, self.kv.format.name)
+        per_block = kv_block_bytes(self.rank_spec, ccfg.block_size, self.kv.format.name)
         num_blocks = ccfg.kv_cache_memory // per_block
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={ccfg.kv_cache_memory} bytes holds {num_blocks} blocks of "
@@ -77,23 +97,18 @@ class LLMEngine:
                            wanted, pool_tokens, self.num_blocks)
         return min(wanted, pool_tokens)
 
-    def _build_connectors(self, config: EngineConfig) -> tuple[Any, Any]:
+    def _build_scheduler_connector(self, config: EngineConfig) -> SchedulerConnector | None:
         if config.kv_transfer is None or config.kv_transfer.kv_connector is None:
-            return None, None
+            return None
         from kvrelay.kv_transfer.base import KVConnectorRole
         from kvrelay.kv_transfer.factory import create_connector
-        kv_spec = self.kv_cache_spec()
-        return (create_connector(config, KVConnectorRole.SCHEDULER, kv_spec),
-                create_connector(config, KVConnectorRole.WORKER, kv_spec))
+        connector: SchedulerConnector = create_connector(config, KVConnectorRole.SCHEDULER,
+                                                         self.kv_cache_spec())
+        return connector
 
     def kv_cache_spec(self) -> Any:
-        from kvrelay.kv_transfer.base import KVCacheSpec
-        spec = self.spec
-        return KVCacheSpec(
-            block_size=self.config.cache.block_size, num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=self.kv.format.name,
-            layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)],
-            fingerprint=dict(self.kv.fingerprint), latent=spec.is_mla)
+        """The KVCacheSpec of one rank's cache."""
+        return kv_cache_spec(self.config, self.rank_spec, self.kv)
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
@@ -148,7 +163,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs)
         for req_id, stop in stopped.items():  # a stop string ends the request outside the step
@@ -178,10 +193,11 @@ class LLMEngine:
             self.step()
 
     def shutdown(self) -> None:
-        """Stop the connectors' threads and transports. Idempotent; the engine is unusable after."""
-        for connector in (self.scheduler.connector, self.runner.connector):
-            if connector is not None:
-                connector.shutdown()
+        """Stop the workers and the connectors' threads and transports. Idempotent; the engine is
+        unusable after."""
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+        self.executor.shutdown()
 
     # ----------------------------------------------------------------------------- introspection
     @property

@@ -2,7 +2,9 @@
 
 Heavy imports (torch, fastapi, uvicorn) happen inside the command, so `kvrelay --help` stays fast.
 SIGTERM and SIGINT stop the server gracefully: open connections get a few seconds, then the
-engine thread is stopped and joined, and the process exits with status 0.
+engine thread is stopped and joined, and the process exits with status 0. If the engine dies
+(a worker process of a tensor-parallel instance died or hung), requests in flight fail, /health
+answers 503, the server stops and the process exits with status 1.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many worker processes (default 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                   help="'uni': the worker runs in the server's process (default at TP 1); "
+                        "'mp': one worker process per rank (default above TP 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this instance")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -48,7 +55,7 @@ def add_parser(sub: Any) -> None:
 
 
 def build_engine_config(args: argparse.Namespace) -> Any:
-    from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
     from kvrelay.kv_transfer.config import KVTransferConfig
 
     return EngineConfig(
@@ -58,6 +65,8 @@ def build_engine_config(args: argparse.Namespace) -> Any:
                           cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                distributed_executor_backend=args.distributed_executor_backend),
         kv_transfer=KVTransferConfig.from_any(args.kv_transfer_config))
 
 
@@ -81,17 +90,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async_llm = AsyncLLM(engine)
     try:
         app = build_app(async_llm, engine.model_name, args.api_key or env.api_key())
-        _run_uvicorn(app, args, engine.model_name)
+        _run_uvicorn(app, args, engine.model_name, async_llm)
     finally:
         async_llm.shutdown()
+        engine.shutdown()  # NOTE: after a crash the engine thread did not: stop the workers here
         others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
         if others:
             logger.warning("threads still running at exit: %s", ", ".join(others))
+    if async_llm.crashed:
+        logger.error("kvrelay serve stopped: %s", async_llm.dead_reason)
+        return 1
     logger.info("kvrelay serve stopped")
     return 0
 
 
-def _run_uvicorn(app: Any, args: argparse.Namespace, model_name: str) -> None:
+def _run_uvicorn(app: Any, args: argparse.Namespace, model_name: str, async_llm: Any) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -107,8 +120,14 @@ def _run_uvicorn(app: Any, args: argparse.Namespace, model_name: str) -> None:
     # uvicorn re-raises the signal it caught once it has stopped; with these handlers in place
     # that re-raise is a no-op, so the engine shutdown in the caller still runs.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = Server(config)
+
+    def stop_on_engine_death(error: BaseException) -> None:
+        server.should_exit = True  # read by uvicorn's main loop, which then shuts down
+
+    async_llm.on_dead = stop_on_engine_death
     try:
-        Server(config).run()
+        server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -87,11 +87,15 @@ class KVCacheSpec:
     head_dim: int
     dtype: str  # the KV cache format: "float32" | "bfloat16" | "float16" | "fp8_e4m3" | "fp8_e5m2"
     layer_names: Sequence[str] = ()  # stored as a tuple; empty: the standard names
-    # What two instances must agree on before they exchange KV (ModelSpec.kv_fingerprint).
+    # What two instances must agree on before they exchange KV (kvrelay/kv_transfer/compat.py).
     fingerprint: dict[str, Any] = field(default_factory=dict)
     # MLA: one latent tensor per layer, [num_blocks, block_size, head_dim] (num_kv_heads 1, no K/V
     # split; head_dim is kv_lora_rank + qk_rope_head_dim). Replicated on every TP rank.
     latent: bool = False
+    # Tensor parallelism: this cache is rank `tp_rank`'s shard out of `tp_size` (num_kv_heads
+    # is the shard's). The scheduler side sees rank 0's spec and the same tp_size.
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_SIZES:

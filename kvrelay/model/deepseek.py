@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.distributed.parallel_state import TensorParallelGroup
 from kvrelay.model.attention import AttentionMetadata
 from kvrelay.model.kv_format import KVFormat, kv_format
 from kvrelay.model.layers import RMSNorm
@@ -185,6 +186,7 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = TensorParallelGroup.single()  # MLA runs unsharded (kvrelay/model/sharding.py)
         self.model = DeepseekBody(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from kvrelay.distributed.parallel_state import TensorParallelGroup
 from kvrelay.model.attention import Attention
 from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary_, linear
+from kvrelay.model.sharding import shard_layout, shard_spec, shard_weights
 from kvrelay.model.spec import ModelSpec
 
 # Fused parameter -> the Hugging Face projections stacked (along dim 0) into it.
@@ -73,8 +75,9 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TensorParallelGroup) -> None:
         super().__init__()
+        self.tp = tp  # o_proj and down_proj are row-parallel: their outputs are summed over ranks
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = SelfAttention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -89,15 +92,16 @@ class DecoderLayer(nn.Module):
             residual, x = h, self.input_layernorm(h)
         else:
             x = self.input_layernorm.add_and_norm(h, residual)
-        x = self.post_attention_layernorm.add_and_norm(self.self_attn(x, cos, sin), residual)
-        return self.mlp(x), residual
+        attn_out = self.tp.all_reduce(self.self_attn(x, cos, sin))  # [T, hidden]
+        x = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.tp.all_reduce(self.mlp(x)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
@@ -113,10 +117,13 @@ class LlamaModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """`spec` is the model one rank runs (its share of the heads and MLP rows under TP)."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.tp = tp or TensorParallelGroup.single()
+        self.model = LlamaModel(spec, self.tp)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -231,14 +238,22 @@ def _back_to_back(sources: list[torch.Tensor], dtype: torch.dtype, device: torch
 
 
 def build_model(
-    spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    spec: ModelSpec, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    tp: TensorParallelGroup | None = None,
 ) -> CausalLM:
-    """Build on the meta device (no memory), then load the weights in place."""
+    """Build on the meta device (no memory), then load the weights in place. `spec` and `weights`
+    are the whole model's; under tensor parallelism (`tp.size > 1`) this rank keeps its shard."""
+    tp = tp or TensorParallelGroup.single()
     if spec.is_mla:  # DeepSeek-V2/V3: another family with its own module
+        if tp.size > 1:
+            raise ValueError(f"{spec.architecture} (MLA) runs at tensor_parallel_size=1 only, got {tp.size}")
         from kvrelay.model.deepseek import build_deepseek
         return build_deepseek(spec, weights, dtype, device)  # type: ignore[return-value]
+    if tp.size > 1:
+        layout = shard_layout(spec, tp.rank, tp.size)
+        spec, weights = shard_spec(spec, layout), shard_weights(weights, spec, layout)
     with torch.device("meta"):
-        model = CausalLM(spec)
+        model = CausalLM(spec, tp)
     model.to(dtype=dtype)
     model.load_weights(weights, device=device)
     return model.eval()

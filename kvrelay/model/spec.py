@@ -80,16 +80,6 @@ class ModelSpec:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
 
-    def kv_fingerprint(self, dtype: str) -> dict[str, Any]:
-        """What two instances must agree on before they exchange KV blocks."""
-        return {
-            "architecture": self.architecture,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": dtype,
-        }
-
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         """Build from a Hugging Face `config.json` dict (or `PretrainedConfig.to_dict()`)."""

@@ -24,7 +24,8 @@ from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.worker.forward_context import NO_CONNECTOR, ForwardContext, set_forward_context
+from kvrelay.worker.forward_context import ForwardContext, set_forward_context
+from kvrelay.worker.kv_connector_step import NULL_WORKER_CONNECTOR, WorkerConnector, kv_connector_step
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -57,18 +58,19 @@ class CachedRequestState:
 class ModelRunner:
     def __init__(self, model: CausalLM, spec: ModelSpec, num_blocks: int, block_size: int,
                  dtype: str, device: torch.device, seed: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (), connector: Any = None,
+                 eos_token_ids: tuple[int, ...] = (),
+                 connector: WorkerConnector = NULL_WORKER_CONNECTOR,
                  kv_scales: torch.Tensor | None = None) -> None:
         """`dtype`: the KV cache format (kvrelay/model/kv_format.py: float32, bfloat16, float16,
         fp8_e4m3, fp8_e5m2), whatever the weights' dtype; fp8 needs `kv_scales` [num_layers, 2,
-        num_kv_heads] (kvrelay/worker/kv_calibration.py)."""
+        num_kv_heads] of this rank's KV heads (kvrelay/worker/kv_calibration.py)."""
         self.model = model
         self.spec = spec
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(seed)
-        self.connector = connector  # worker-side KV connector, or None
+        self.connector = connector  # worker-side KV connector (the null one without KV transfer)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_format = kv_format(dtype)
         if self.kv_format.is_fp8 != (kv_scales is not None):
@@ -77,8 +79,7 @@ class ModelRunner:
         self.kv_scales = kv_scales
         self.kv_caches = self._allocate_kv_caches(num_blocks, self.kv_format.torch_dtype)
         log_active_kernels(device)  # which native CPU kernels serve this model, once per process
-        if connector is not None:
-            connector.register_kv_caches(self.kv_caches)
+        connector.register_kv_caches(self.kv_caches)
 
     def _allocate_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         spec = self.spec
@@ -99,16 +100,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched_out)
-        connector = self.connector
-        if connector is not None:
-            connector.bind_connector_metadata(sched_out.kv_connector_metadata)
-        try:
+        with kv_connector_step(self.connector, sched_out) as step:
             output = self._forward_and_sample(sched_out)
-            if connector is not None:
-                output.kv_connector_output = connector.get_finished(sched_out.finished_req_ids)
-        finally:
-            if connector is not None:
-                connector.clear_connector_metadata()
+        output.kv_connector_output = step.output
         return output
 
     def _forward_and_sample(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -116,15 +110,14 @@ class ModelRunner:
         req_ids = list(sched_out.num_scheduled_tokens)
         batch = self._prepare_inputs(req_ids, sched_out.num_scheduled_tokens) if req_ids else None
         attn_metadata = {name: batch["attn_metadata"] for name in self.kv_caches} if batch else {}
-        context = ForwardContext(attn_metadata=attn_metadata,
-                                 kv_connector=connector if connector is not None else NO_CONNECTOR)
+        context = ForwardContext(attn_metadata=attn_metadata, kv_connector=connector)
         with set_forward_context(context):
-            if connector is not None:
-                connector.start_load_kv(context)
+            connector.start_load_kv(context)
             hidden = self.model(batch["input_ids"], batch["positions"]) if batch else None
-            if connector is not None:
-                connector.wait_for_save()
-        if batch is None or hidden is None:
+            connector.wait_for_save()
+        if batch is None or hidden is None or not self.model.tp.is_first:
+            # NOTE: with a replicated LM head only rank 0 samples; the others only ran the forward
+            # pass their all-reduces need.
             return ModelRunnerOutput.empty()
         return self._sample(req_ids, batch, hidden)
 

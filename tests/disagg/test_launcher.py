@@ -65,6 +65,35 @@ def test_serve_argv_passes_model_threads_and_kv_transfer_config() -> None:
     assert argv[-2:] == ["--max-num-seqs", "4"]
 
 
+def test_prefill_and_decode_tp_reach_their_instances() -> None:
+    spec = ClusterSpec(prefill_tp=2, decode_tp=1, threads_per_instance=2)
+    prefill = serve_argv(spec, 8123, {"kv_role": "kv_producer"}, spec.prefill_tp)
+    decode = serve_argv(spec, 8124, {"kv_role": "kv_consumer"}, spec.decode_tp)
+    assert prefill[prefill.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in decode  # TP 1: serve's default
+    with pytest.raises(ValueError, match="decode_tp must be >= 1"):
+        ClusterSpec(decode_tp=0)
+
+
+def test_a_tp_instance_gets_a_run_of_free_kv_ports() -> None:
+    from kvrelay.disagg.launcher import free_port_run
+
+    first = free_port_run("127.0.0.1", 4)
+    for port in range(first, first + 4):  # every rank's side channel can bind its port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_up_cli_takes_prefill_tp_and_decode_tp() -> None:
+    from kvrelay.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["up", "--prefill-tp", "2", "--decode-tp", "4"])
+    assert (args.prefill_tp, args.decode_tp) == (2, 4)
+    serve = build_parser().parse_args(["serve", "-tp", "2"])
+    assert serve.tensor_parallel_size == 2
+    assert build_parser().parse_args(["serve", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3
+
+
 def test_a_busy_port_is_a_clear_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -43,6 +43,9 @@ def test_chat_answers_each_line_until_eof(model_dir: Path) -> None:
     (("generate", "hi", "--model", "/no/such/model.gguf"), "/no/such/model.gguf"),
     (("generate", "hi", "--temperature", "-1"), "temperature"),
     (("generate", "hi", "--kv-cache-memory", "lots"), "kv-cache-memory"),
+    (("serve", "-tp", "0"), "tensor_parallel_size must be a positive integer, got 0"),
+    (("serve", "-tp", "2", "--port", "0"), "tensor_parallel_size=2 does not divide the model's "
+                                           "num_attention_heads=9"),
 ])
 def test_bad_input_is_a_clear_error_not_a_traceback(args: tuple[str, ...], message: str) -> None:
     done = run_cli(*args)

@@ -11,6 +11,10 @@ On disk, keyed by a hash of the model fingerprint and the prefix token ids:
 
     DIR/<key>/<layer_name>.safetensors    tensor "kv": [num_prefix_blocks, 2, H_kv, block_size, D]
 
+Under tensor parallelism every rank stores its own shard (its KV heads) in its own entry,
+`DIR/<key>.tp<size>-rank<rank>/`, and a prefix counts as stored only when every rank's entry is
+there; an entry written at another TP size is never read.
+
 A save is written into a hidden staging directory and renamed into place when every layer is
 there, so a reader never sees half an entry. A missing, truncated or mismatched entry is
 reported as invalid blocks (the scheduler recomputes them) and removed, never a crash.
@@ -166,7 +170,14 @@ class ExampleConnector(KVConnectorBase):
         return digest.hexdigest()[:40]
 
     def _is_stored(self, key: str) -> bool:
-        return (self.storage_dir / key).is_dir()
+        return all(self._entry_dir(key, rank).is_dir() for rank in range(self.kv_spec.tp_size))
+
+    def _entry_dir(self, key: str, rank: int | None = None) -> Path:
+        """Where one rank's shard of an entry lives (this worker's rank by default)."""
+        size = self.kv_spec.tp_size
+        if size == 1:
+            return self.storage_dir / key
+        return self.storage_dir / f"{key}.tp{size}-rank{self.kv_spec.tp_rank if rank is None else rank}"
 
     # ---------------------------------------------------------------- worker side
 
@@ -190,7 +201,7 @@ class ExampleConnector(KVConnectorBase):
                            load.key, load.req_id, e)
             self._invalid_block_ids.update(load.block_ids)
             add_stats(self._step_stats, {"load_failures": 1})
-            shutil.rmtree(self.storage_dir / load.key, ignore_errors=True)
+            shutil.rmtree(self._entry_dir(load.key), ignore_errors=True)
             return
         num_bytes = 0
         for name, blocks in stored.items():
@@ -205,7 +216,7 @@ class ExampleConnector(KVConnectorBase):
     def _read_layer(self, load: LoadSpec, layer_name: str) -> torch.Tensor:
         from safetensors.torch import load_file
 
-        blocks = load_file(self.storage_dir / load.key / f"{layer_name}.safetensors")["kv"]
+        blocks = load_file(self._entry_dir(load.key) / f"{layer_name}.safetensors")["kv"]
         expected = self.kv_caches[layer_name]
         if blocks.shape[1:] != expected.shape[1:] or blocks.dtype != expected.dtype:
             raise ValueError(f"{layer_name}: stored {tuple(blocks.shape)} {blocks.dtype}, "
@@ -223,7 +234,7 @@ class ExampleConnector(KVConnectorBase):
             start = time.perf_counter()
             staging = self._staging.get(save.key)
             if staging is None:
-                staging = self.storage_dir / f".staging-{save.key}-{uuid.uuid4().hex}"
+                staging = self.storage_dir / f".staging-{self._entry_dir(save.key).name}-{uuid.uuid4().hex}"
                 staging.mkdir()
                 self._staging[save.key] = staging
             index = torch.tensor(save.block_ids, device=kv_layer.device)
@@ -242,7 +253,7 @@ class ExampleConnector(KVConnectorBase):
                 shutil.rmtree(staging, ignore_errors=True)
                 continue
             try:
-                os.rename(staging, self.storage_dir / key)
+                os.rename(staging, self._entry_dir(key))
             except OSError:  # another writer published the same prefix first
                 shutil.rmtree(staging, ignore_errors=True)
         self._staging.clear()

@@ -31,7 +31,8 @@ policy is the transfer config's `kv_load_failure_policy` ("recompute" or "fail")
 kv_transfer_params P returns (vLLM's names, plus kvrelay's): `do_remote_prefill` true,
 `do_remote_decode` false, `remote_engine_id`, `remote_request_id`, `remote_block_ids` (every
 block holding prompt KV, the partial last block included), `remote_host`, `remote_port`,
-`tp_size` 1, `remote_num_tokens`, and `remote_block_size`, `remote_lease_id` (random),
+`tp_size` (P's tensor_parallel_size), `remote_num_tokens`, and `remote_block_size`,
+`remote_lease_id` (random),
 `remote_lease_expiry_ms` (unix ms) and `signature` (HMAC-SHA256 over those and a digest of the
 prompt tokens, under a key derived from the secret).
 
@@ -150,7 +151,8 @@ class NixlConnector(KVConnectorBase):
         self._scheduler: NixlScheduler | None = None
         self._worker: NixlWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = NixlScheduler(self.transfer_config, self.nixl_config, keys, kv_spec.block_size)
+            self._scheduler = NixlScheduler(self.transfer_config, self.nixl_config, keys, kv_spec.block_size,
+                                            tp_size=kv_spec.tp_size)
         else:
             from kvrelay.kv_transfer.connectors.nixl_worker import NixlWorker
 

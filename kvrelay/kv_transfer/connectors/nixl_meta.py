@@ -32,6 +32,7 @@ class PullSpec(msgspec.Struct, kw_only=True):
     rejected: str | None = None
     # False: nothing to read (a full local prefix hit); only tell P it may free the blocks.
     notify_only: bool = False
+    remote_tp_size: int = 1  # P's tensor_parallel_size (the params' `tp_size`)
 
 
 class LeaseSpec(msgspec.Struct, kw_only=True):
@@ -73,6 +74,7 @@ class HandshakeReply(msgspec.Struct, kw_only=True):
     fingerprint: dict[str, Any]
     lease_seconds: float
     tp_size: int = 1
+    tp_rank: int = 0  # which of P's ranks answers on this port (kv_port + tp_rank)
 
 
 class PinRequest(msgspec.Struct, kw_only=True):

@@ -69,6 +69,8 @@ class LocalIdentity:
     fingerprint_digest: str
     fingerprint: dict[str, Any]
     layout: RegionLayout
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 @dataclass
@@ -130,6 +132,12 @@ class Puller:
             self._results.count("params_rejected")
             self._fail_now(spec.req_id, f"refused its kv_transfer_params: {spec.rejected}")
             return
+        if spec.remote_tp_size != self.identity.tp_size:
+            self._results.count("tp_mismatch")
+            self._fail_now(spec.req_id, f"comes from a prefill instance with tp_size {spec.remote_tp_size}, "
+                           f"this decode instance has tp_size {self.identity.tp_size}: NixlConnector "
+                           "pairs equal tensor-parallel sizes only")
+            return
         peer = self._peer_for(spec)
         if spec.notify_only:  # a full local hit: nothing to read, P may free the blocks
             self._release(peer, spec)
@@ -151,17 +159,19 @@ class Puller:
         self._fail(pull, "aborted before its read started", count=False)
 
     def _peer_for(self, spec: PullSpec) -> _Peer:
+        # NOTE: P's rank r listens on kv_port + r; this rank reads the same rank's shard.
+        port = spec.remote_port + self.identity.tp_rank
         peer = self._peers.get(spec.remote_engine_id)
-        if peer is not None and (peer.host, peer.port) != (spec.remote_host, spec.remote_port):
-            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{spec.remote_port}")
+        if peer is not None and (peer.host, peer.port) != (spec.remote_host, port):
+            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{port}")
             peer = None
         if peer is None:
             beats: list[_Peer] = []  # NOTE: the thread needs its peer, the peer its thread
-            thread = PeerThread(self._ctx, spec.remote_host, spec.remote_port, self.channel_key,
+            thread = PeerThread(self._ctx, spec.remote_host, port, self.channel_key,
                                 name=f"kv-peer-{spec.remote_engine_id[:8]}",
                                 heartbeat=lambda client: self._heartbeat_job(client, beats[0]),
                                 heartbeat_s=self.config.heartbeat_seconds)
-            peer = _Peer(spec.remote_engine_id, spec.remote_host, spec.remote_port, thread)
+            peer = _Peer(spec.remote_engine_id, spec.remote_host, port, thread)
             beats.append(peer)
             self._peers[spec.remote_engine_id] = peer
             thread.submit(functools.partial(self._handshake_job, peer=peer))
@@ -283,7 +293,8 @@ class Puller:
         mismatches = [(name, theirs, ours) for name, theirs, ours in (
             ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
             ("layer_names", reply.layer_names, list(me.layout.layer_names)),
-            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_size", reply.tp_size, 1))
+            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_size", reply.tp_size, me.tp_size),
+            ("tp_rank", reply.tp_rank, me.tp_rank))
             if theirs != ours]
         if mismatches:
             text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)

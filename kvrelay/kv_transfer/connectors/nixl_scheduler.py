@@ -43,10 +43,17 @@ def wants_remote_prefill(request: Request) -> bool:
     return bool(params) and bool(params.get("do_remote_prefill"))  # type: ignore[union-attr]
 
 
+def _tp_size(params: dict[str, Any]) -> int:
+    """P's tensor_parallel_size from its params (absent: 1; malformed: 0, which no rank matches)."""
+    value = params.get("tp_size", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 0
+
+
 class NixlScheduler:
     def __init__(self, transfer_config: KVTransferConfig, nixl_config: NixlConfig,
-                 keys: security.Keys, block_size: int) -> None:
+                 keys: security.Keys, block_size: int, tp_size: int = 1) -> None:
         self.transfer_config = transfer_config
+        self.tp_size = tp_size
         self.nixl_config = nixl_config
         self.keys = keys
         self.block_size = block_size
@@ -110,7 +117,8 @@ class NixlScheduler:
             remote_engine_id=params["remote_engine_id"], remote_host=params["remote_host"],
             remote_port=params["remote_port"], lease_id=params["remote_lease_id"],
             prompt_digest=security.prompt_digest(request.prompt_token_ids),
-            local_block_ids=list(local_block_ids), remote_block_ids=list(tail), notify_only=notify_only)
+            local_block_ids=list(local_block_ids), remote_block_ids=list(tail), notify_only=notify_only,
+            remote_tp_size=_tp_size(params))
 
     # ---------------------------------------------------------------- P: what to offer
 
@@ -135,7 +143,7 @@ class NixlScheduler:
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.transfer_config.engine_id,
             "remote_request_id": request.request_id, "remote_block_ids": prompt_block_ids,
-            "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": 1,
+            "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": self.tp_size,
             "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
             "remote_lease_id": lease_id, "remote_lease_expiry_ms": expiry_ms,
         }

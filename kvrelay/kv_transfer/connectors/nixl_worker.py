@@ -77,15 +77,18 @@ class NixlWorker:
         if self.transfer_config.is_producer:
             self.leases = LeaseTable(self.nixl_config.lease_seconds,
                                      lambda block_ids: security.block_digests(self.kv_layers, block_ids))
+            # NOTE: one side channel per rank, on kv_port + tp_rank; D's rank r talks to P's rank r.
             self.server = SideChannelServer(
-                self.transfer_config.kv_ip, self.transfer_config.kv_port, self.keys.channel,
+                self.transfer_config.kv_ip, self.transfer_config.kv_port + self.kv_spec.tp_rank,
+                self.keys.channel,
                 self.instance_id, {"handshake": self._on_handshake, "pin": self._on_pin,
                                    "heartbeat": self._on_heartbeat, "release": self._on_release})
         if self.transfer_config.is_consumer:
             identity = LocalIdentity(
                 engine_id=self.transfer_config.engine_id, backend=self.nixl_config.backend,
                 block_size=self.kv_spec.block_size, fingerprint_digest=self.kv_spec.fingerprint_digest(),
-                fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout)
+                fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout,
+                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size)
             self.puller = Puller(self.transport, identity, self.nixl_config, self.keys.channel,
                                  self.kv_layers)
 
@@ -135,7 +138,8 @@ class NixlWorker:
             block_bytes=layout.block_bytes, base_addresses=list(layout.base_addresses),
             device=layout.device, block_size=self.kv_spec.block_size,
             fingerprint_digest=self.kv_spec.fingerprint_digest(), fingerprint=dict(self.kv_spec.fingerprint),
-            lease_seconds=self.leases.lease_seconds)
+            lease_seconds=self.leases.lease_seconds, tp_size=self.kv_spec.tp_size,
+            tp_rank=self.kv_spec.tp_rank)
 
     def _on_pin(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.leases is not None

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from kvrelay.kv_transfer.connectors.offload_meta import OffloadConnectorMetadata
 from kvrelay.kv_transfer.offload import OffloadConfig, OffloadStats, build_store
-from kvrelay.kv_transfer.offload.lookup import LookupClient, LookupServer, lookup_address
+from kvrelay.kv_transfer.offload.lookup import LookupClient, LookupServer, ShardedLookupClient, lookup_address
 from kvrelay.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -66,18 +66,28 @@ if TYPE_CHECKING:
     from kvrelay.worker.forward_context import ForwardContext
 
 
+def _shard(kv_spec: KVCacheSpec, rank: int) -> str:
+    """The name of one rank's store under tensor parallelism ("" at TP 1: the layout of old)."""
+    return f"tp{kv_spec.tp_size}-rank{rank}" if kv_spec.tp_size > 1 else ""
+
+
 class OffloadConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         super().__init__(config, role, kv_spec)
         self.offload_config = OffloadConfig.from_extra_config(self.extra_config, self.block_size)
         fingerprint = kv_spec.fingerprint_digest()
-        address = lookup_address(self.transfer_config.engine_id, self.extra_config)
+        engine_id = self.transfer_config.engine_id
+        address = lookup_address(engine_id, self.extra_config, _shard(kv_spec, kv_spec.tp_rank))
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvrelay.kv_transfer.connectors.offload_scheduler import OffloadScheduler
 
-            client = LookupClient(address)
+            client: LookupClient | ShardedLookupClient = LookupClient(address)
+            if kv_spec.tp_size > 1:  # every rank's worker serves its own store
+                client = ShardedLookupClient([
+                    LookupClient(lookup_address(engine_id, self.extra_config, _shard(kv_spec, rank)))
+                    for rank in range(kv_spec.tp_size)])
             self._scheduler = OffloadScheduler(
                 self.offload_config, self.block_size, fingerprint, client,
                 can_load=self.transfer_config.is_consumer, can_save=self.transfer_config.is_producer)
@@ -88,7 +98,8 @@ class OffloadConnector(KVConnectorBase):
             stats = OffloadStats()
             payload_bytes = kv_spec.num_layers * self.offload_config.chunk_tokens // self.block_size \
                 * kv_spec.block_bytes
-            store = build_store(self.offload_config, fingerprint, payload_bytes, stats)
+            store = build_store(self.offload_config, fingerprint, payload_bytes, stats,
+                                shard=_shard(kv_spec, kv_spec.tp_rank))
             worker = OffloadWorker(self.offload_config, kv_spec, store, stats)
             server = LookupServer(address, _weak_answer(worker))
             self._worker = worker

@@ -18,7 +18,7 @@ from kvrelay.kv_transfer.connectors.offload_meta import (
     prompt_keys,
 )
 from kvrelay.kv_transfer.offload.config import OffloadConfig
-from kvrelay.kv_transfer.offload.lookup import LookupClient
+from kvrelay.kv_transfer.offload.lookup import LookupClient, ShardedLookupClient
 from kvrelay.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ class _Tracked:
 
 
 class OffloadScheduler:
-    def __init__(self, config: OffloadConfig, block_size: int, fingerprint: str, client: LookupClient,
+    def __init__(self, config: OffloadConfig, block_size: int, fingerprint: str,
+                 client: LookupClient | ShardedLookupClient,
                  can_load: bool, can_save: bool) -> None:
         self.config = config
         self.block_size = block_size

@@ -40,9 +40,9 @@ def build_tiers(config: OffloadConfig, stats: OffloadStats) -> list[StorageTier]
 
 
 def build_store(config: OffloadConfig, fingerprint: str, payload_bytes: int,
-                stats: OffloadStats) -> TieredStore:
+                stats: OffloadStats, shard: str = "") -> TieredStore:
     return TieredStore(build_tiers(config, stats), fingerprint, payload_bytes, stats,
-                       retry_seconds=config.retry_seconds)
+                       retry_seconds=config.retry_seconds, shard=shard)
 
 
 __all__ = [

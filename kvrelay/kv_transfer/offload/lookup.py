@@ -34,11 +34,13 @@ _LENGTH = struct.Struct(">I")
 _POLL_SECONDS = 0.5  # how often the server thread checks whether it should stop
 
 
-def lookup_address(engine_id: str, extra_config: dict[str, Any]) -> str:
-    """The socket path both halves of one connector derive from what they share."""
+def lookup_address(engine_id: str, extra_config: dict[str, Any], shard: str = "") -> str:
+    """The socket path both halves of one connector derive from what they share. `shard`
+    names one tensor-parallel rank's store (each rank's worker serves its own socket)."""
     directory = Path(tempfile.gettempdir()) / f"kvrelay-{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
-    identity = json.dumps([engine_id, extra_config], sort_keys=True, default=str)
+    identity = json.dumps([engine_id, extra_config] + ([shard] if shard else []), sort_keys=True,
+                          default=str)
     return str(directory / f"offload-{hashlib.sha256(identity.encode()).hexdigest()[:24]}.sock")
 
 
@@ -153,3 +155,21 @@ class LookupClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class ShardedLookupClient:
+    """Scheduler side under tensor parallelism: one client per rank. A key counts as stored only
+    when every rank's store holds its shard (the fewest leading keys wins); pending stores add up."""
+
+    def __init__(self, clients: list[LookupClient]) -> None:
+        self.clients = clients
+
+    def ask(self, message: list[Any]) -> Any:
+        answers = [client.ask(message) for client in self.clients]
+        if any(not isinstance(answer, int) for answer in answers):
+            return None  # a rank is unreachable: nothing counts as stored
+        return min(answers) if message[0] == "lookup" else sum(answers)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()

@@ -17,6 +17,7 @@ timeout, not one per request.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -52,7 +53,10 @@ def private_copy(blob: Blob) -> memoryview:
 
 class TieredStore:
     def __init__(self, tiers: Sequence[StorageTier], fingerprint: str, payload_bytes: int,
-                 stats: OffloadStats, retry_seconds: float = 5.0) -> None:
+                 stats: OffloadStats, retry_seconds: float = 5.0, shard: str = "") -> None:
+        """`shard`: this store holds one tensor-parallel rank's part of each chunk (e.g.
+        "tp2-rank1"); its blobs live under keys derived from the chunk key and the shard, so the
+        ranks of one instance (and instances of other TP sizes) share tiers without mixing."""
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         self.tiers = list(tiers)
@@ -62,6 +66,13 @@ class TieredStore:
         self.retry_seconds = retry_seconds
         self._down_until: dict[str, float] = {}
         self._last_log: dict[str, float] = {}
+        self.shard = shard
+
+    def _tier_keys(self, keys: Sequence[str]) -> list[str]:
+        """Chunk keys -> the keys the tiers hold them under (the same keys without a shard)."""
+        if not self.shard:
+            return list(keys)
+        return [hashlib.sha256(f"{key}/{self.shard}".encode()).hexdigest()[:len(key)] for key in keys]
 
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Sequence[str]) -> int:
@@ -71,7 +82,7 @@ class TieredStore:
             missing = [i for i, found in enumerate(present) if not found]
             if not missing:
                 break
-            answer = self._guarded(tier, "contains", [keys[i] for i in missing])
+            answer = self._guarded(tier, "contains", self._tier_keys([keys[i] for i in missing]))
             for i, found in zip(missing, answer or [], strict=False):
                 present[i] = found
         num_leading = next((i for i, found in enumerate(present) if not found), len(keys))
@@ -92,7 +103,7 @@ class TieredStore:
             missing = [i for i, p in enumerate(payloads) if p is None]
             if not missing:
                 break
-            blobs = self._guarded(tier, "get", [keys[i] for i in missing])
+            blobs = self._guarded(tier, "get", self._tier_keys([keys[i] for i in missing]))
             if blobs is None:
                 continue
             corrupt: list[str] = []
@@ -106,7 +117,7 @@ class TieredStore:
             self.stats.add_many({f"offload_{tier.name}_hits": hits,
                                  f"offload_{tier.name}_misses": len(missing) - hits})
             if corrupt:
-                self._guarded(tier, "remove", corrupt)
+                self._guarded(tier, "remove", self._tier_keys(corrupt))
             if promote and level > 0:
                 self._promote(self.tiers[:level], promote)
         return payloads
@@ -125,6 +136,8 @@ class TieredStore:
             return None
 
     def _promote(self, upper: list[StorageTier], items: list[tuple[str, Blob]]) -> None:
+        tier_keys = self._tier_keys([key for key, _ in items])
+        items = [(tier_key, blob) for tier_key, (_, blob) in zip(tier_keys, items, strict=True)]
         for tier in upper:
             if self._guarded(tier, "put", items) is not None:
                 self.stats.add("offload_promotions", len(items))
@@ -136,12 +149,12 @@ class TieredStore:
         stored = False
         for tier in self.tiers:
             kept = private_copy(blob) if reused and tier.keeps_blobs else blob
-            stored |= self._guarded(tier, "put", [(key, kept)]) is not None
+            stored |= self._guarded(tier, "put", [(self._tier_keys([key])[0], kept)]) is not None
         return stored
 
     def remove(self, keys: Sequence[str]) -> None:
         for tier in self.tiers:
-            self._guarded(tier, "remove", keys)
+            self._guarded(tier, "remove", self._tier_keys(keys))
 
     def close(self) -> None:
         for tier in self.tiers:

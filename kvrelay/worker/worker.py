@@ -1,0 +1,85 @@
+"""One rank: its share of the model, its KV shard, its worker-side connector, its model runner.
+
+The same Worker runs in the engine's process (executor `uni`) or in a process of its own
+(executor `mp`, see kvrelay.worker.worker_loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvrelay.config import EngineConfig
+from kvrelay.core.sched_output import SchedulerOutput
+from kvrelay.distributed.parallel_state import TensorParallelGroup
+from kvrelay.engine.kv_setup import KVSetup
+from kvrelay.model.llama import build_model
+from kvrelay.model.sharding import shard_layout
+from kvrelay.model.spec import ModelSpec
+from kvrelay.outputs import ModelRunnerOutput
+from kvrelay.worker.kv_connector_step import NULL_WORKER_CONNECTOR, WorkerConnector
+from kvrelay.worker.model_runner import ModelRunner, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What the engine decided before any worker starts: the same for every rank."""
+
+    config: EngineConfig
+    spec: ModelSpec  # the whole model's (each rank derives its shard)
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    kv: KVSetup  # the KV cache format, fp8 scales (all KV heads) and compatibility fingerprint
+
+
+def kv_cache_spec(config: EngineConfig, spec: ModelSpec, kv: KVSetup, tp_rank: int = 0) -> Any:
+    """The KVCacheSpec of one rank's cache, from the spec of the model that rank runs."""
+    from kvrelay.kv_transfer.base import LAYER_NAME_FORMAT, KVCacheSpec
+    return KVCacheSpec(
+        block_size=config.cache.block_size, num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=kv.format.name,
+        layer_names=[LAYER_NAME_FORMAT.format(i=i) for i in range(spec.num_layers)],
+        fingerprint=dict(kv.fingerprint), latent=spec.is_mla, tp_rank=tp_rank,
+        tp_size=config.parallel.tensor_parallel_size)
+
+
+def build_worker_connector(config: EngineConfig, local_spec: ModelSpec, kv: KVSetup,
+                           tp_rank: int) -> WorkerConnector:
+    if config.kv_transfer is None or config.kv_transfer.kv_connector is None:
+        return NULL_WORKER_CONNECTOR
+    from kvrelay.kv_transfer.base import KVConnectorRole
+    from kvrelay.kv_transfer.factory import create_connector
+    connector: WorkerConnector = create_connector(config, KVConnectorRole.WORKER,
+                                                  kv_cache_spec(config, local_spec, kv, tp_rank))
+    return connector
+
+
+class Worker:
+    def __init__(self, plan: WorkerPlan, weights: Mapping[str, torch.Tensor],
+                 tp: TensorParallelGroup | None = None) -> None:
+        config = plan.config
+        self.tp = tp or TensorParallelGroup.single()
+        mcfg = config.model
+        device = torch.device(mcfg.device)
+        model = build_model(plan.spec, weights, torch_dtype(mcfg.dtype), device, self.tp)
+        connector = build_worker_connector(config, model.spec, plan.kv, self.tp.rank)
+        scales = plan.kv.scales  # [num_layers, 2, num_kv_heads] of the whole model, fp8 only
+        if scales is not None and self.tp.size > 1:
+            heads = shard_layout(plan.spec, self.tp.rank, self.tp.size).kv_heads
+            scales = scales[:, :, heads.start:heads.stop].contiguous()
+        self.runner = ModelRunner(model, model.spec, plan.num_blocks, config.cache.block_size,
+                                  plan.kv.format.name, device, seed=mcfg.seed,
+                                  eos_token_ids=plan.eos_token_ids, connector=connector,
+                                  kv_scales=scales)
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched_out)
+
+    def shutdown(self) -> None:
+        self.runner.connector.shutdown()
