@@ -16,6 +16,7 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from kvrelay.outputs import RequestOutput
 from tests.tiny import tiny_loaded_model
+from tests.tiny_mla import tiny_mla_model
 
 # Small pool and budget: prompts are chunked (7 tokens a step) and requests get preempted.
 ENGINE_ARGS: dict[str, Any] = dict(num_blocks=14, block_size=4, max_num_batched_tokens=7)
@@ -117,3 +118,35 @@ def test_uni_backend_with_tp2_is_refused() -> None:
     with pytest.raises(ValueError, match="'uni' runs one worker"):
         LLM(loaded_model=tiny_loaded_model("llama"), tensor_parallel_size=2,
             distributed_executor_backend="uni", **ENGINE_ARGS)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e4m3"])
+def test_narrow_kv_formats_at_tp2_match_tp1_in_the_same_format(kv_cache_dtype: str) -> None:
+    """Each rank stores its KV heads in the format, fp8 with the scales of the heads it owns (the
+    engine calibrates them once on the unsharded model): TP 2 reads back what TP 1 would."""
+    prompts = random_prompts(3, 9, 20, seed=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run(tp: int) -> tuple[list[RequestOutput], dict[str, Any]]:
+        llm = LLM(loaded_model=tiny_loaded_model("llama"), kv_cache_dtype=kv_cache_dtype,
+                  tensor_parallel_size=tp, num_blocks=32, block_size=4)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            assert llm.engine.blocks_in_use == 0
+            return outs, llm.engine.kv_cache_spec().fingerprint
+        finally:
+            llm.shutdown()
+
+    (want, want_fp), (got, got_fp) = run(1), run(2)
+    assert got_fp == want_fp  # same checkpoint, format and scales: P at TP 1 may feed D at TP 2
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for w_lp, g_lp in zip(w.outputs[0].logprobs or [], g.outputs[0].logprobs or [], strict=True):
+            token = next(iter(w_lp))  # the chosen token's log-probability
+            # fp8 rounding of a K/V element may flip where TP's summation order moves it by 1 ulp
+            assert g_lp[token].logprob == pytest.approx(w_lp[token].logprob, abs=2e-2)
+
+
+def test_mla_above_tp1_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: deepseek_v3 \(MLA"):
+        LLM(loaded_model=tiny_mla_model(), tensor_parallel_size=2, **ENGINE_ARGS)
