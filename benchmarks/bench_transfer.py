@@ -14,9 +14,10 @@ dim 64, fp32) and block sizes 16 and 64, moves the prompt's blocks P -> D in one
 
 and prints GB/s with the ratios the targets name (nixl and conn nixl >= 0.8 x raw nixl, tcp and
 conn tcp >= 0.8 x raw socket, conn+cksum >= 0.6 x raw nixl), then plots them (--plot). Each
-column opens a `Session` over a case; the columns' transfers alternate round by round and each
-keeps the best of `reps` (`measure_case`), so a path and its baseline see the same minute of
-this shared machine.
+column opens a `Session` over a case; the columns' transfers alternate round by round
+(`measure_case`); GB/s is each column's best round, and a ratio is the median over rounds of
+the ratio within a round (`paired_ratio`), so a path and its baseline are compared on the same
+second of this shared machine.
 With --ttft it also times the first token of 1024- and 4096-token prompts through `kvrelay up`
 (1P1D) against one `kvrelay serve` with the same total threads (see transfer_ttft.py).
 
@@ -354,8 +355,8 @@ def run(tokens: list[int], block_sizes: list[int], reps: int) -> list[dict[str, 
         return run_columns(build_columns(str(secret_file)), tokens, block_sizes, reps)
 
 
-def measure_case(columns: dict[str, Column], case: Case, reps: int) -> dict[str, float]:
-    """Seconds of one transfer of the case per column: the best of `reps` timed transfers.
+def measure_case(columns: dict[str, Column], case: Case, reps: int) -> dict[str, list[float]]:
+    """Seconds of each timed transfer of the case per column, round by round (`reps` rounds).
 
     Every column's session is opened first; then the columns take turns, one transfer each per
     round, in an order that rotates each round, so that a path and its raw baseline are timed
@@ -381,10 +382,17 @@ def measure_case(columns: dict[str, Column], case: Case, reps: int) -> dict[str,
                     _check_copied(case, name)
                 if round_:
                     times[name].append(elapsed)
-        return {name: min(t) for name, t in times.items()}
+        return times
     finally:
         for session in sessions.values():
             session.close()
+
+
+def paired_ratio(num_seconds: list[float], den_seconds: list[float]) -> float:
+    """Throughput of a path over its baseline: the median over rounds of the ratio within each
+    round, whose two transfers ran within a second of each other. Each column's best round (its
+    GB/s in the table) may fall in different minutes of a busy machine; a round's pair may not."""
+    return statistics.median(den / num for num, den in zip(num_seconds, den_seconds, strict=True))
 
 
 def run_columns(columns: dict[str, Column], tokens: list[int], block_sizes: list[int],
@@ -397,11 +405,12 @@ def run_columns(columns: dict[str, Column], tokens: list[int], block_sizes: list
             case = make_case(num_tokens, block_size, p_kv, d_kv)
             row: dict[str, float | int] = {"block_size": block_size, "tokens": num_tokens,
                                            "MB": case.num_bytes / 1e6}
-            for column, seconds in measure_case(columns, case, reps).items():
-                row[column] = case.num_bytes / seconds / 1e9
+            times = measure_case(columns, case, reps)
+            for column, seconds in times.items():
+                row[column] = case.num_bytes / min(seconds) / 1e9
             for ratio, (num, den, _) in RATIOS.items():
-                if num in row and den in row:
-                    row[ratio] = row[num] / row[den]
+                if num in times and den in times:
+                    row[ratio] = paired_ratio(times[num], times[den])
             rows.append(row)
             print_table(rows[-1:], header=len(rows) == 1)
     return rows
