@@ -176,7 +176,7 @@ def raw_socket_column(case: Case) -> Session:
     """The same byte count over a loopback TCP connection, one sendall and recv_into loop."""
     src = torch.empty(case.num_bytes, dtype=torch.uint8)
     dst = torch.empty(case.num_bytes, dtype=torch.uint8)
-    send_view, recv_view = memoryview(src.numpy()), memoryview(dst.numpy())
+    send_view, recv_view = memoryview(src.numpy()), memoryview(dst.numpy())  # type: ignore[arg-type]
     listener = socket.create_server(("127.0.0.1", 0))
     sender = socket.create_connection(listener.getsockname()[:2])
     receiver, _ = listener.accept()
@@ -348,11 +348,19 @@ RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket"
           "cksum/raw": ("conn+cksum", "raw nixl", 0.6)}
 
 
-def run(tokens: list[int], block_sizes: list[int], reps: int) -> list[dict[str, float | int]]:
+def run(tokens: list[int], block_sizes: list[int], reps: int,
+        only: list[str] | None = None) -> list[dict[str, float | int]]:
+    """The table's rows; `only`: the columns to measure (default: all there are here)."""
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
         secret_file = Path(tmp) / "kv-secret"  # NOTE: as `kvrelay up`: an authenticated cluster
         secret_file.write_text(secrets.token_hex(32))
-        return run_columns(build_columns(str(secret_file)), tokens, block_sizes, reps)
+        columns = build_columns(str(secret_file))
+        unknown = sorted(set(only or ()) - set(columns))
+        if unknown:
+            raise SystemExit(f"unknown or unavailable column(s) {unknown}; here: {list(columns)}")
+        if only:
+            columns = {name: column for name, column in columns.items() if name in only}
+        return run_columns(columns, tokens, block_sizes, reps)
 
 
 def measure_case(columns: dict[str, Column], case: Case, reps: int) -> dict[str, list[float]]:
@@ -442,6 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--reps", type=int, default=5, help="timed transfers per cell (the best is kept)")
+    parser.add_argument("--columns", nargs="+", default=None,
+                        help="measure only these columns, e.g. --columns tcp 'conn tcp' 'raw socket'")
     parser.add_argument("--quick", action="store_true",
                         help=f"a reduced run in a couple of minutes: {QUICK}")
     parser.add_argument("--ttft", action="store_true",
@@ -467,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
           "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "
           "verify_checksum; digest = security.block_digests alone")
-    rows = run(args.tokens, args.block_sizes, args.reps)
+    rows = run(args.tokens, args.block_sizes, args.reps, args.columns)
     summarize(rows)
     plot(rows, args.plot)
     if args.ttft:
