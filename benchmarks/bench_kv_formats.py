@@ -68,18 +68,19 @@ def transfer_rows(formats: list[str], tokens: list[int], reps: int) -> list[dict
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
         secret = Path(tmp) / "kv-secret"
         secret.write_text("ab" * 32)
-        columns = {"tcp": bench_transfer.measure_transport("tcp", reps),
-                   "conn tcp": bench_transfer.measure_connector("tcp", False, reps, str(secret))}
+        columns = {"tcp": bench_transfer.transport_column("tcp"),
+                   "conn tcp": bench_transfer.connector_column("tcp", False, str(secret))}
         if nixl_available():
-            columns["nixl"] = bench_transfer.measure_transport("nixl", reps)
-            columns["conn nixl"] = bench_transfer.measure_connector("nixl", False, reps, str(secret))
+            columns["nixl"] = bench_transfer.transport_column("nixl")
+            columns["conn nixl"] = bench_transfer.connector_column("nixl", False, str(secret))
         for num_tokens in tokens:
             for name in formats:
                 p_kv, d_kv = pools(kv_format(name), 2 * -(-max(tokens) // BLOCK_SIZE))
                 case = bench_transfer.make_case(num_tokens, BLOCK_SIZE, p_kv, d_kv)
                 row: dict[str, Any] = {"tokens": num_tokens, "format": name, "MB": case.num_bytes / 1e6}
-                for column, measure in columns.items():
-                    row[f"{column} ms"] = measure(case) * 1e3
+                # the columns alternate round by round (bench_transfer.measure_case); best round
+                for column, times in bench_transfer.measure_case(columns, case, reps).items():
+                    row[f"{column} ms"] = min(times) * 1e3
                 rows.append(row)
                 print(f"  transfer {num_tokens} tokens {name}: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float)), flush=True)

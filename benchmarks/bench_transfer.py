@@ -16,9 +16,12 @@ dim 64, fp32) and block sizes 16 and 64, moves the prompt's blocks P -> D in one
     digest      security.block_digests over the blocks alone (the checksum's own throughput)
 
 and prints GB/s with the ratios the targets name (nixl and conn nixl >= 0.8 x raw nixl, tcp and
-conn tcp >= 0.7 x raw socket, conn+cksum >= 0.6 x raw nixl, mooncake and conn mc >= 0.8 x raw
-mooncake; the Mooncake columns where the wheel loads), then plots them (--plot). Each
-column is a function `measure_*(reps)` returning `measure(case) -> seconds` (the best of `reps`).
+conn tcp >= 0.8 x raw socket, conn+cksum >= 0.6 x raw nixl, mooncake and conn mc >= 0.8 x raw
+mc; the Mooncake columns where the wheel loads), then plots them (--plot). Each
+column opens a `Session` over a case; the columns' transfers alternate round by round
+(`measure_case`); GB/s is each column's best round, and a ratio is the median over rounds of
+the ratio within a round (`paired_ratio`), so a path and its baseline are compared on the same
+second of this shared machine.
 With --ttft it also times the first token of 1024- and 4096-token prompts through `kvrelay up`
 (1P1D) against one `kvrelay serve` with the same total threads (see transfer_ttft.py).
 
@@ -46,8 +49,8 @@ import torch
 from hostinfo import cpu_summary  # benchmarks/hostinfo.py
 from mooncake_bench import (  # benchmarks/mooncake_bench.py
     interleaved_mooncake,
-    measure_raw_mooncake,
     mooncake_loads,
+    raw_mooncake_once,
 )
 
 from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
@@ -97,109 +100,122 @@ def make_case(num_tokens: int, block_size: int, p_kv: dict[str, torch.Tensor],
                 local_block_ids=list(range(pool - num_blocks, pool)))
 
 
-# --- measurements: each returns the seconds one transfer of the case took -------------------
+# --- measurements: each column opens a session over a case; a session's `once()` times one transfer
 
-def measure_transport(name: str, reps: int) -> Callable[[Case], float]:
-    def measure(case: Case) -> float:
+@dataclass
+class Session:
+    """One column's set-up over a case: `once()` moves the case's blocks and returns the seconds
+    it took; `close()` tears the set-up down. Sessions of all columns are open together, so that
+    their transfers can alternate (see `measure_case`)."""
+
+    once: Callable[[], float]
+    close: Callable[[], None] = lambda: None
+    writes_d_kv: bool = True  # whether `once` fills the case's D blocks (checked after it)
+
+
+Column = Callable[[Case], Session]
+
+
+def transport_column(name: str) -> Column:
+    def open_session(case: Case) -> Session:
         p = create_transport(name, "bench-p")
         d = create_transport(name, "bench-d")
-        try:
-            layout = p.register_kv_caches(case.p_kv)
-            d.register_kv_caches(case.d_kv)
-            d.add_remote("bench-p", p.agent_metadata(), layout)
-            times = []
-            for i in range(reps + 1):  # the first read connects: not timed
-                start = time.perf_counter()
-                handle = d.read_blocks("bench-p", case.local_block_ids, case.remote_block_ids,
-                                       f"r{i}:1".encode())
-                while (state := handle.poll()) == TransferState.PENDING:
-                    time.sleep(0)
-                times.append(time.perf_counter() - start)
-                handle.release()
-                if state != TransferState.DONE:
-                    raise RuntimeError(f"{name} read failed: {handle.error}")
-            _check_copied(case)
-            return min(times[1:])
-        finally:
+        layout = p.register_kv_caches(case.p_kv)
+        d.register_kv_caches(case.d_kv)
+        d.add_remote("bench-p", p.agent_metadata(), layout)
+        reads = iter(range(1 << 30))
+
+        def once() -> float:
+            start = time.perf_counter()
+            handle = d.read_blocks("bench-p", case.local_block_ids, case.remote_block_ids,
+                                   f"r{next(reads)}:1".encode())
+            while (state := handle.poll()) == TransferState.PENDING:
+                time.sleep(0)
+            elapsed = time.perf_counter() - start
+            handle.release()
+            if state != TransferState.DONE:
+                raise RuntimeError(f"{name} read failed: {handle.error}")
+            return elapsed
+
+        def close() -> None:
             d.close()
             p.close()
-    return measure
+        return Session(once, close)
+    return open_session
 
 
-def measure_raw_nixl(reps: int) -> Callable[[Case], float]:
+def raw_nixl_column(case: Case) -> Session:
     """A minimal direct NIXL script: two agents, descriptors per (layer, block), one prepped
     READ of the case's blocks, both workers busy polled."""
     from kvrelay.kv_transfer.transport.nixl import block_descriptors, descriptor_indices, import_nixl
 
-    def measure(case: Case) -> float:
-        api = import_nixl()
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        p, d = api.nixl_agent("raw-p", config), api.nixl_agent("raw-d", config)
-        p_layout, d_layout = describe_kv_caches(case.p_kv), describe_kv_caches(case.d_kv)
-        p.register_memory(list(case.p_kv.values()))
-        d.register_memory(list(case.d_kv.values()))
-        remote_name = d.add_remote_agent(p.get_agent_metadata())
-        local = d.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(d_layout), "DRAM")
-        remote = d.prep_xfer_dlist(remote_name, block_descriptors(p_layout), "DRAM")
-        local_idx = descriptor_indices(case.local_block_ids, NUM_LAYERS, d_layout.num_blocks)
-        remote_idx = descriptor_indices(case.remote_block_ids, NUM_LAYERS, p_layout.num_blocks)
-        times = []
-        for _ in range(reps + 1):
-            start = time.perf_counter()
-            xfer = d.make_prepped_xfer("READ", local, local_idx, remote, remote_idx, b"raw")
-            state = d.transfer(xfer)
-            while state == "PROC":
-                p.get_new_notifs()
-                state = d.check_xfer_state(xfer)
-            times.append(time.perf_counter() - start)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL READ ended in {state}")
-            xfer.release()
-        _check_copied(case)
+    api = import_nixl()
+    config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    p, d = api.nixl_agent("raw-p", config), api.nixl_agent("raw-d", config)
+    p_layout, d_layout = describe_kv_caches(case.p_kv), describe_kv_caches(case.d_kv)
+    p.register_memory(list(case.p_kv.values()))
+    d.register_memory(list(case.d_kv.values()))
+    remote_name = d.add_remote_agent(p.get_agent_metadata())
+    local = d.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(d_layout), "DRAM")
+    remote = d.prep_xfer_dlist(remote_name, block_descriptors(p_layout), "DRAM")
+    local_idx = descriptor_indices(case.local_block_ids, NUM_LAYERS, d_layout.num_blocks)
+    remote_idx = descriptor_indices(case.remote_block_ids, NUM_LAYERS, p_layout.num_blocks)
+
+    def once() -> float:
+        start = time.perf_counter()
+        xfer = d.make_prepped_xfer("READ", local, local_idx, remote, remote_idx, b"raw")
+        state = d.transfer(xfer)
+        while state == "PROC":
+            p.get_new_notifs()
+            state = d.check_xfer_state(xfer)
+        elapsed = time.perf_counter() - start
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in {state}")
+        xfer.release()
+        return elapsed
+
+    def close() -> None:
         local.release()
         remote.release()
         d.remove_remote_agent(remote_name)
-        return min(times[1:])
-    return measure
+    return Session(once, close)
 
 
-def measure_raw_socket(reps: int) -> Callable[[Case], float]:
+def raw_socket_column(case: Case) -> Session:
     """The same byte count over a loopback TCP connection, one sendall and recv_into loop."""
-    def measure(case: Case) -> float:
-        src = torch.empty(case.num_bytes, dtype=torch.uint8)
-        dst = torch.empty(case.num_bytes, dtype=torch.uint8)
-        send_view, recv_view = memoryview(src.numpy()), memoryview(dst.numpy())
-        listener = socket.create_server(("127.0.0.1", 0))
-        sender = socket.create_connection(listener.getsockname()[:2])
-        receiver, _ = listener.accept()
-        times = []
-        for _ in range(reps + 1):
-            thread = threading.Thread(target=sender.sendall, args=(send_view,))
-            start = time.perf_counter()
-            thread.start()
-            received = 0
-            while received < len(recv_view):
-                received += receiver.recv_into(recv_view[received:])
-            thread.join()
-            times.append(time.perf_counter() - start)
+    src = torch.empty(case.num_bytes, dtype=torch.uint8)
+    dst = torch.empty(case.num_bytes, dtype=torch.uint8)
+    send_view, recv_view = memoryview(src.numpy()), memoryview(dst.numpy())  # type: ignore[arg-type]
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(listener.getsockname()[:2])
+    receiver, _ = listener.accept()
+
+    def once() -> float:
+        thread = threading.Thread(target=sender.sendall, args=(send_view,))
+        start = time.perf_counter()
+        thread.start()
+        received = 0
+        while received < len(recv_view):
+            received += receiver.recv_into(recv_view[received:])
+        thread.join()
+        return time.perf_counter() - start
+
+    def close() -> None:
         for sock in (sender, receiver, listener):
             sock.close()
-        return min(times[1:])
-    return measure
+    return Session(once, close, writes_d_kv=False)
 
 
-def measure_memcpy(reps: int) -> Callable[[Case], float]:
-    def measure(case: Case) -> float:
-        n = len(case.remote_block_ids)
-        r0, l0 = case.remote_block_ids[0], case.local_block_ids[0]
-        times = []
-        for _ in range(reps + 1):
-            start = time.perf_counter()
-            for name, p_layer in case.p_kv.items():
-                case.d_kv[name][l0:l0 + n].copy_(p_layer[r0:r0 + n])
-            times.append(time.perf_counter() - start)
-        return min(times[1:])
-    return measure
+def memcpy_column(case: Case) -> Session:
+    n = len(case.remote_block_ids)
+    r0, l0 = case.remote_block_ids[0], case.local_block_ids[0]
+
+    def once() -> float:
+        start = time.perf_counter()
+        for name, p_layer in case.p_kv.items():
+            case.d_kv[name][l0:l0 + n].copy_(p_layer[r0:r0 + n])
+        return time.perf_counter() - start
+    return Session(once)
 
 
 # --- the connector's path: P's and D's NixlWorker, driven as two engines' runners drive them ---
@@ -281,30 +297,28 @@ class ConnectorPair:
         self.p.close()
 
 
-def measure_connector(backend: str, verify_checksum: bool, reps: int,
-                      secret_file: str) -> Callable[[Case], float]:
-    def measure(case: Case) -> float:
+def connector_column(backend: str, verify_checksum: bool, secret_file: str) -> Column:
+    def open_session(case: Case) -> Session:
         pair = ConnectorPair(backend, verify_checksum, case, secret_file)
-        try:
-            times = [pair.pull(case) for _ in range(reps + 1)]  # the first handshakes: not timed
-            _check_copied(case)
-            return min(times[1:])
-        finally:
-            pair.close()
-    return measure
+        return Session(lambda: pair.pull(case), pair.close)
+    return open_session
 
 
-def measure_digests(reps: int) -> Callable[[Case], float]:
+def digest_column(case: Case) -> Session:
     """security.block_digests over the case's blocks: what P pays at pin time and D after the read."""
-    def measure(case: Case) -> float:
-        layers = list(case.p_kv.values())
-        times = []
-        for _ in range(reps + 1):
-            start = time.perf_counter()
-            security.block_digests(layers, case.remote_block_ids)
-            times.append(time.perf_counter() - start)
-        return min(times[1:])
-    return measure
+    layers = list(case.p_kv.values())
+
+    def once() -> float:
+        start = time.perf_counter()
+        security.block_digests(layers, case.remote_block_ids)
+        return time.perf_counter() - start
+    return Session(once, writes_d_kv=False)
+
+
+def raw_mooncake_column(case: Case) -> Session:
+    """Two Transfer Engines and one batch_transfer_sync_read of the case's bytes (mooncake_bench.py)."""
+    once, close = raw_mooncake_once(case)
+    return Session(once, close)
 
 
 def _free_port() -> int:
@@ -313,53 +327,104 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _check_copied(case: Case) -> None:
+def _clear_d_blocks(case: Case) -> None:
+    for d_layer in case.d_kv.values():
+        d_layer[case.local_block_ids] = 0  # so the next transfer proves its own copy
+
+
+def _check_copied(case: Case, column: str) -> None:
     for name, p_layer in case.p_kv.items():
         if not torch.equal(case.d_kv[name][case.local_block_ids], p_layer[case.remote_block_ids]):
-            raise RuntimeError(f"layer {name}: the blocks read differ from P's")
-    for d_layer in case.d_kv.values():
-        d_layer[case.local_block_ids] = 0  # so the next measurement proves its own copy
+            raise RuntimeError(f"{column}, layer {name}: the blocks read differ from P's")
 
 
 # --- the table ------------------------------------------------------------------------------
 
-def build_columns(reps: int, secret_file: str) -> dict[str, Callable[[Case], float]]:
-    columns: dict[str, Callable[[Case], float]] = {}
+def build_columns(secret_file: str) -> dict[str, Column]:
+    columns: dict[str, Column] = {}
     if nixl_available():
-        columns["nixl"] = measure_transport("nixl", reps)
-        columns["conn nixl"] = measure_connector("nixl", False, reps, secret_file)
-        columns["conn+cksum"] = measure_connector("nixl", True, reps, secret_file)
-        columns["raw nixl"] = measure_raw_nixl(reps)
-    columns["tcp"] = measure_transport("tcp", reps)
-    columns["conn tcp"] = measure_connector("tcp", False, reps, secret_file)
+        columns["nixl"] = transport_column("nixl")
+        columns["conn nixl"] = connector_column("nixl", False, secret_file)
+        columns["conn+cksum"] = connector_column("nixl", True, secret_file)
+        columns["raw nixl"] = raw_nixl_column
+    columns["tcp"] = transport_column("tcp")
+    columns["conn tcp"] = connector_column("tcp", False, secret_file)
     if not nixl_available():
-        columns["conn+cksum"] = measure_connector("tcp", True, reps, secret_file)
-    columns["raw socket"] = measure_raw_socket(reps)
+        columns["conn+cksum"] = connector_column("tcp", True, secret_file)
+    columns["raw socket"] = raw_socket_column
     if mooncake_loads():
-        columns["mooncake"] = measure_transport("mooncake", reps)
-        columns["conn mc"] = measure_connector("mooncake", False, reps, secret_file)
-        columns["raw mc"] = measure_raw_mooncake(reps, _check_copied)
-    columns["memcpy"] = measure_memcpy(reps)
-    columns["digest"] = measure_digests(reps)
+        columns["mooncake"] = transport_column("mooncake")
+        columns["conn mc"] = connector_column("mooncake", False, secret_file)
+        columns["raw mc"] = raw_mooncake_column
+    columns["memcpy"] = memcpy_column
+    columns["digest"] = digest_column
     return columns
 
 
 # name: (numerator column, denominator column, target)
-RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket", 0.7),
-          "connN/raw": ("conn nixl", "raw nixl", 0.8), "connT/raw": ("conn tcp", "raw socket", 0.7),
+RATIOS = {"nixl/raw": ("nixl", "raw nixl", 0.8), "tcp/raw": ("tcp", "raw socket", 0.8),
+          "connN/raw": ("conn nixl", "raw nixl", 0.8), "connT/raw": ("conn tcp", "raw socket", 0.8),
           "cksum/raw": ("conn+cksum", "raw nixl", 0.6), "mc/raw": ("mooncake", "raw mc", 0.8),
           "connM/raw": ("conn mc", "raw mc", 0.8)}
 
 
-def run(tokens: list[int], block_sizes: list[int], reps: int) -> list[dict[str, float | int]]:
+def run(tokens: list[int], block_sizes: list[int], reps: int,
+        only: list[str] | None = None) -> list[dict[str, float | int]]:
+    """The table's rows; `only`: the columns to measure (default: all there are here)."""
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
         secret_file = Path(tmp) / "kv-secret"  # NOTE: as `kvrelay up`: an authenticated cluster
         secret_file.write_text(secrets.token_hex(32))
-        return run_columns(build_columns(reps, str(secret_file)), tokens, block_sizes)
+        columns = build_columns(str(secret_file))
+        unknown = sorted(set(only or ()) - set(columns))
+        if unknown:
+            raise SystemExit(f"unknown or unavailable column(s) {unknown}; here: {list(columns)}")
+        if only:
+            columns = {name: column for name, column in columns.items() if name in only}
+        return run_columns(columns, tokens, block_sizes, reps)
 
 
-def run_columns(columns: dict[str, Callable[[Case], float]], tokens: list[int],
-                block_sizes: list[int]) -> list[dict[str, float | int]]:
+def measure_case(columns: dict[str, Column], case: Case, reps: int) -> dict[str, list[float]]:
+    """Seconds of each timed transfer of the case per column, round by round (`reps` rounds).
+
+    Every column's session is opened first; then the columns take turns, one transfer each per
+    round, in an order that rotates each round, so that a path and its raw baseline are timed
+    within a fraction of a second of each other (this shared VM's speed drifts by 10% and more
+    within a minute; one column's reps after another's would compare different minutes). The
+    first round connects and handshakes: not timed. In the first and the last round every
+    column that writes D's blocks finds them zeroed and is checked to have copied P's."""
+    sessions: dict[str, Session] = {}
+    try:
+        for name, open_session in columns.items():
+            sessions[name] = open_session(case)
+        times: dict[str, list[float]] = {name: [] for name in sessions}
+        names = list(sessions)
+        for round_ in range(reps + 1):
+            checked = round_ in (0, reps)
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                session = sessions[name]
+                if checked and session.writes_d_kv:
+                    _clear_d_blocks(case)
+                elapsed = session.once()
+                if checked and session.writes_d_kv:
+                    _check_copied(case, name)
+                if round_:
+                    times[name].append(elapsed)
+        return times
+    finally:
+        for session in sessions.values():
+            session.close()
+
+
+def paired_ratio(num_seconds: list[float], den_seconds: list[float]) -> float:
+    """Throughput of a path over its baseline: the median over rounds of the ratio within each
+    round, whose two transfers ran within a second of each other. Each column's best round (its
+    GB/s in the table) may fall in different minutes of a busy machine; a round's pair may not."""
+    return statistics.median(den / num for num, den in zip(num_seconds, den_seconds, strict=True))
+
+
+def run_columns(columns: dict[str, Column], tokens: list[int], block_sizes: list[int],
+                reps: int) -> list[dict[str, float | int]]:
     rows: list[dict[str, float | int]] = []
     for block_size in block_sizes:
         pool_blocks = 2 * -(-max(tokens) // block_size)
@@ -368,11 +433,12 @@ def run_columns(columns: dict[str, Callable[[Case], float]], tokens: list[int],
             case = make_case(num_tokens, block_size, p_kv, d_kv)
             row: dict[str, float | int] = {"block_size": block_size, "tokens": num_tokens,
                                            "MB": case.num_bytes / 1e6}
-            for column, measure in columns.items():
-                row[column] = case.num_bytes / measure(case) / 1e9
+            times = measure_case(columns, case, reps)
+            for column, seconds in times.items():
+                row[column] = case.num_bytes / min(seconds) / 1e9
             for ratio, (num, den, _) in RATIOS.items():
-                if num in row and den in row:
-                    row[ratio] = row[num] / row[den]
+                if num in times and den in times:
+                    row[ratio] = paired_ratio(times[num], times[den])
             rows.append(row)
             print_table(rows[-1:], header=len(rows) == 1)
     return rows
@@ -404,6 +470,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--reps", type=int, default=5, help="timed transfers per cell (the best is kept)")
+    parser.add_argument("--columns", nargs="+", default=None,
+                        help="measure only these columns, e.g. --columns tcp 'conn tcp' 'raw socket'")
     parser.add_argument("--quick", action="store_true",
                         help=f"a reduced run in a couple of minutes: {QUICK}")
     parser.add_argument("--ttft", action="store_true",
@@ -431,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
           "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "
           "verify_checksum; digest = security.block_digests alone")
-    rows = run(args.tokens, args.block_sizes, args.reps) if not args.mooncake_only else []
+    rows = run(args.tokens, args.block_sizes, args.reps, args.columns) if not args.mooncake_only else []
     if rows:
         summarize(rows)
     if mooncake_loads():
@@ -456,7 +524,7 @@ def print_mooncake_interleaved(tokens: list[int], block_sizes: list[int], reps: 
         p_kv, d_kv = make_pools(block_size, 2 * -(-max(tokens) // block_size))
         for num_tokens in tokens:
             case = make_case(num_tokens, block_size, p_kv, d_kv)
-            ours, raw, ratio = interleaved_mooncake(case, reps, _check_copied)
+            ours, raw, ratio = interleaved_mooncake(case, reps, lambda c: _check_copied(c, "mooncake"))
             gb = case.num_bytes / 1e9
             print(f"{block_size:>6} {num_tokens:>7} {case.num_bytes / 1e6:>8.1f} {gb / ours:>9.2f} "
                   f"{gb / raw:>8.2f} {ratio:>6.2f}", flush=True)

@@ -24,38 +24,41 @@ def mooncake_loads() -> bool:
     return mooncake_available()[0]
 
 
-def measure_raw_mooncake(reps: int, check_copied: Callable[[Any], None]) -> Callable[[Any], float]:
+def raw_mooncake_once(case: Any) -> tuple[Callable[[], float], Callable[[], None]]:
     """A minimal direct Transfer Engine script: two engines on loopback (P2PHANDSHAKE, tcp), each
     layer's tensor registered, and one batch_transfer_sync_read of the case's blocks: one entry per
-    layer, as P's and D's blocks are each one contiguous run. Same bytes as the transport moves."""
-    def measure(case: Any) -> float:
-        from mooncake.engine import TransferEngine
+    layer, as P's and D's blocks are each one contiguous run. Same bytes as the transport moves.
+    Returns `once() -> seconds` (one read; the first one also connects) and `close()`."""
+    from mooncake.engine import TransferEngine
 
-        p, d = TransferEngine(), TransferEngine()
-        for engine in (p, d):
-            if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-                raise RuntimeError("the Transfer Engine did not start")
-        for engine, kv in ((p, case.p_kv), (d, case.d_kv)):
-            for layer in kv.values():
-                engine.register_memory(layer.data_ptr(), layer.numel() * layer.element_size())
-        peer = f"127.0.0.1:{p.get_rpc_port()}"
-        block_bytes = case.num_bytes // len(case.remote_block_ids) // len(case.p_kv)
-        length = block_bytes * len(case.remote_block_ids)
-        local = [kv.data_ptr() + case.local_block_ids[0] * block_bytes for kv in case.d_kv.values()]
-        remote = [kv.data_ptr() + case.remote_block_ids[0] * block_bytes for kv in case.p_kv.values()]
-        times = []
-        for _ in range(reps + 1):  # the first read connects: not timed
-            start = time.perf_counter()
-            rc = d.batch_transfer_sync_read(peer, local, remote, [length] * len(local))
-            times.append(time.perf_counter() - start)
-            if rc != 0:
-                raise RuntimeError(f"raw Transfer Engine read failed (rc {rc})")
-        check_copied(case)
+    p, d = TransferEngine(), TransferEngine()
+    for engine in (p, d):
+        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("the Transfer Engine did not start")
+    for engine, kv in ((p, case.p_kv), (d, case.d_kv)):
+        for layer in kv.values():
+            engine.register_memory(layer.data_ptr(), layer.numel() * layer.element_size())
+    peer = f"127.0.0.1:{p.get_rpc_port()}"
+    block_bytes = case.num_bytes // len(case.remote_block_ids) // len(case.p_kv)
+    length = block_bytes * len(case.remote_block_ids)
+    local = [kv.data_ptr() + case.local_block_ids[0] * block_bytes for kv in case.d_kv.values()]
+    remote = [kv.data_ptr() + case.remote_block_ids[0] * block_bytes for kv in case.p_kv.values()]
+
+    def once() -> float:
+        start = time.perf_counter()
+        rc = d.batch_transfer_sync_read(peer, local, remote, [length] * len(local))
+        elapsed = time.perf_counter() - start
+        if rc != 0:
+            raise RuntimeError(f"raw Transfer Engine read failed (rc {rc})")
+        return elapsed
+
+    def close() -> None:
         for engine, kv in ((p, case.p_kv), (d, case.d_kv)):
             for layer in kv.values():
                 engine.unregister_memory(layer.data_ptr())
-        return min(times[1:])
-    return measure
+
+    once()  # the first read connects: not part of any round
+    return once, close
 
 
 class MooncakeStoreForBench:

@@ -126,6 +126,59 @@ def test_reads_reuse_one_connection_and_reconnect_when_it_broke():
         p.close()
 
 
+def _record_request_senders(monkeypatch) -> list[str]:
+    """Names of the threads that send READ requests, in order."""
+    senders: list[str] = []
+    real = socket.socket.sendall
+
+    def sendall(sock, data, *args):
+        if bytes(data[:4]) == b"READ":
+            senders.append(threading.current_thread().name)
+        return real(sock, data, *args)
+    monkeypatch.setattr(socket.socket, "sendall", sendall)
+    return senders
+
+
+def test_a_read_on_an_idle_connection_is_asked_from_the_callers_thread_unless_the_pool_is_busy(
+        monkeypatch):
+    senders = _record_request_senders(monkeypatch)
+    p, d, p_kv, d_kv = make_pair("tcp", num_workers=1)
+    try:
+        assert finish(d.read_blocks("engine-p", [0], [1], b"a:1")) == TransferState.DONE  # connects
+        assert finish(d.read_blocks("engine-p", [2], [3], b"b:1")) == TransferState.DONE  # idle one
+        d._in_flight = 1  # as if the only pool thread were busy with another read
+        assert finish(d.read_blocks("engine-p", [4], [5], b"c:1")) == TransferState.DONE
+        assert d._in_flight == 1
+        main = threading.current_thread().name
+        assert senders[1] == main
+        assert senders[0] != main and senders[2] != main  # the pool's thread
+        for local, remote in ((0, 1), (2, 3), (4, 5)):
+            assert torch.equal(d_kv[next(iter(d_kv))][local], p_kv[next(iter(p_kv))][remote])
+        assert sorted(collect_notifications(p, 3)) == [b"a:1", b"b:1", b"c:1"]
+    finally:
+        d._in_flight = 0
+        d.close()
+        p.close()
+
+
+def test_a_request_sent_early_on_a_connection_p_has_closed_is_asked_again_on_a_fresh_one():
+    p, d, p_kv, d_kv = make_pair("tcp")
+    try:
+        assert finish(d.read_blocks("engine-p", [0], [1], b"a:1")) == TransferState.DONE
+        server = p._server
+        with server._lock:
+            served = list(server._connections)
+        for sock in served:  # P drops its end (a restart, a timeout); D's idle end does not know
+            sock.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: not server._connections, 5.0, "P to drop the connection")
+        assert finish(d.read_blocks("engine-p", [2], [3], b"b:1")) == TransferState.DONE
+        assert torch.equal(d_kv[next(iter(d_kv))][2], p_kv[next(iter(p_kv))][3])
+        assert len(d._remotes["engine-p"].idle) == 1
+    finally:
+        d.close()
+        p.close()
+
+
 def test_adjacent_blocks_become_one_slice():
     assert _runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
     # local 0,1,2 pair with remote 3,4,5 (one slice); local 7 with remote 6 breaks the local run
