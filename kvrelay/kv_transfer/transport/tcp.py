@@ -17,6 +17,14 @@ calls, so the threads take the GIL a few times per read rather than once per soc
 busy engine thread then barely slows a transfer. Every socket has a timeout, so a dead or
 stalled peer ends a read in ERROR, never a hang.
 
+A push runs the other way on the same kind of connection, opened by the writer (P) to the
+receiver's (D's) data port:
+
+    P -> D   WRIT header (block count, notification length, layer count), D's block ids, the
+             layer indices, notification, then the blocks' bytes layer by layer
+    D -> P   status once every byte sits in D's blocks (or why the write was refused: D's write
+             guard admits only blocks it registered for a push), then queues the notification
+
 With a shared secret, every connection starts with a mutual HMAC challenge-response; without
 one, the data port serves anyone who can reach it (bind it to loopback).
 """
@@ -44,6 +52,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransferHandle,
     TransferState,
     TransportError,
+    WriteGuard,
     check_compatible,
     check_read,
     describe_kv_caches,
@@ -60,6 +69,7 @@ _READ = struct.Struct("!4sII")  # magic, number of blocks, notification length
 _STATUS = struct.Struct("!BI")  # 0 = OK / 1 = error, error message length
 _MAGIC_HELLO = b"KVR1"
 _MAGIC_READ = b"READ"
+_MAGIC_WRITE = b"WRIT"  # a push: see tcp_push.py
 _ACK = b"A"
 _ACCEPT_POLL_S = 0.2
 _MAX_NOTIFICATION_BYTES = 64 * 1024  # a notification is "{request_id}:{n}"; this bounds P's buffer
@@ -175,6 +185,7 @@ class _BlockServer:
         self.num_blocks = 0
         self.block_bytes = 0
         self.notifications: deque[bytes] = deque()
+        self.write_guard: WriteGuard | None = None  # None: incoming writes are refused
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -243,6 +254,10 @@ class _BlockServer:
         if len(header) < _READ.size:
             header += _recv_bytes(sock, _READ.size - len(header))
         magic, num_ids, notification_len = _READ.unpack(header)
+        if magic == _MAGIC_WRITE:
+            from kvrelay.kv_transfer.transport.tcp_push import serve_one_write
+
+            return serve_one_write(self, sock, num_ids, notification_len)
         if magic != _MAGIC_READ:
             raise ConnectionError(f"bad request magic {magic!r}")
         problem = self._oversize(num_ids, notification_len)
@@ -396,6 +411,27 @@ class TcpTransport(KVTransport):
         future = self._pool.submit(self._read, remote, list(local_block_ids), list(remote_block_ids),
                                    notification)
         return _TcpRead(future)
+
+    def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int], notification: bytes,
+                     layers: Sequence[int] | None = None) -> TransferHandle:
+        remote = self._remotes.get(remote_engine_id)
+        if remote is None:
+            return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
+        if self.layout is None:
+            raise RuntimeError("register_kv_caches must come before write_blocks")
+        check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        chosen = list(range(len(self._layers))) if layers is None else list(layers)
+        if not all(0 <= layer < len(self._layers) for layer in chosen):
+            raise ValueError(f"layers {chosen} are outside 0..{len(self._layers) - 1}")
+        from kvrelay.kv_transfer.transport.tcp_push import send_write
+
+        future = self._pool.submit(send_write, self, remote, list(local_block_ids), list(remote_block_ids),
+                                   notification, chosen)
+        return _TcpRead(future)
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:
+        self._server.write_guard = guard
 
     def get_notifications(self) -> list[bytes]:
         queue = self._server.notifications
