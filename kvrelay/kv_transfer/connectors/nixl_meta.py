@@ -73,6 +73,7 @@ class HandshakeReply(msgspec.Struct, kw_only=True):
     fingerprint: dict[str, Any]
     lease_seconds: float
     tp_size: int = 1
+    transfer_mode: str = "pull"  # "push": a NixlPushConnector, which serves no reads
 
 
 class PinRequest(msgspec.Struct, kw_only=True):
