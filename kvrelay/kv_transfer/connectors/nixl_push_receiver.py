@@ -443,9 +443,9 @@ class PushReceiver:
         if not recv.safe:
             recv.safe_after = (recv.last_contact + max(recv.lease_s, self.config.heartbeat_seconds * 3)
                                + self.config.transfer_timeout_seconds)
-            peer = self._peer_of(recv)
-            if peer is not None:
-                peer.thread.submit(functools.partial(self._cancel_job, recv=recv))
+        peer = self._peer_of(recv)
+        if peer is not None:  # NOTE: also before registering, so P frees the request at once
+            peer.thread.submit(functools.partial(self._cancel_job, recv=recv))
         self._check_cancelled(recv, time.monotonic())
 
     def _check_cancelled(self, recv: _Recv, now: float) -> None:

@@ -98,6 +98,7 @@ class _Job:
     writes: list[TransferHandle] = field(default_factory=list)
     registration: _Registration | None = None
     started: bool = False  # a step computed it (False: known from a hold only)
+    declined: bool = False  # D gave up before it registered: nobody will
     finished: bool = False
     complete: bool = False
     hold_expires: float = float("inf")
@@ -119,6 +120,7 @@ class PushSender:
         self._waiting: dict[str, _Registration] = {}  # by transfer id: no job yet
         self._to_connect: list[_Registration] = []
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # transfer id -> (state, why)
+        self._declined: OrderedDict[str, None] = OrderedDict()  # D gave up before registering
         self._active: list[_Job] = []  # jobs this step computes
         self._stats: dict[str, float] = {}
 
@@ -151,8 +153,14 @@ class PushSender:
                 self._push(job, [layer], job.step_end)
 
     def end_step(self) -> None:
+        """wait_for_save: a step's writes finish before the next step may rewrite the pages.
+
+        NOTE: the bound on the lag is one step. A chunk's partial last block is written again
+        with the next chunk; waiting here keeps the older write from landing after the newer."""
         for job in self._active:
             if job.step_end is not None:
+                if job.step_end < job.num_prompt_tokens and job.writes:
+                    self._settle_writes(job)
                 job.ready, job.step_end = job.step_end, None
         self._active = []
 
@@ -160,6 +168,8 @@ class PushSender:
         job = self._jobs.get(transfer_id)
         if job is None:
             job = _Job(transfer_id, req_id, num_prompt_tokens, digest, [], [0] * self.num_layers)
+            job.declined = transfer_id in self._declined
+            self._declined.pop(transfer_id, None)
             self._jobs[transfer_id] = job
             early = self._waiting.pop(transfer_id, None)
             if early is not None:
@@ -281,6 +291,11 @@ class PushSender:
         self._connect_and_catch_up()
         ended: set[str] = set()
         now = time.monotonic()
+        with self._lock:
+            for transfer_id, reg in list(self._waiting.items()):
+                if now >= reg.match_by:  # its request never started here
+                    del self._waiting[transfer_id]
+                    self._remember(transfer_id, PUSH_REFUSED, "no request with this transfer id started here")
         for job in list(self._jobs.values()):
             self._prune(job)
             reason = self._end_reason(job, now)
@@ -302,6 +317,8 @@ class PushSender:
         if not job.complete:
             return PUSH_FAILED, "the prefill instance aborted the request"
         if reg is None:
+            if job.declined:
+                return PUSH_FAILED, "the decode instance gave up before registering"
             if now < job.hold_expires:
                 return None
             self._count("lease_expired")
@@ -391,11 +408,19 @@ class PushSender:
         """D gives up (or aborted): no new write starts; "cancelled" once none is in flight."""
         with self._lock:
             reg = self._find(ref)
-            if reg is None:
+            if reg is None:  # D gave up before registering: free the request once it finishes
+                job = self._jobs.get(ref.transfer_id)
+                if job is not None and job.registration is None:
+                    job.declined = True
+                elif job is None:
+                    self._declined[ref.transfer_id] = None
+                    while len(self._declined) > _MAX_REMEMBERED:
+                        self._declined.popitem(last=False)
                 return PushStatus(transfer_id=ref.transfer_id, state=PUSH_CANCELLED)
             reg.cancelled = True
             if self._waiting.get(ref.transfer_id) is reg:
-                del self._waiting[ref.transfer_id]
+                # NOTE: kept (cancelled) until its request arrives, so P frees that request's
+                # blocks as soon as it finishes rather than holding them for the lease.
                 return PushStatus(transfer_id=ref.transfer_id, state=PUSH_CANCELLED)
             job = self._jobs.get(ref.transfer_id)
             busy = job is not None and bool(job.writes)
