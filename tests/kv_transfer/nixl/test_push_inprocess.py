@@ -15,7 +15,7 @@ from kvrelay.kv_transfer.connectors import nixl_worker
 from kvrelay.kv_transfer.connectors.nixl_push_meta import PushNotification
 from kvrelay.kv_transfer.transport.base import FinishedTransfer
 from kvrelay.worker import forward_context
-from tests.kv_transfer.nixl.pd import PD, BLOCK_SIZE, free_port, greedy, kv_threads, make_engine, prompt
+from tests.kv_transfer.nixl.pd import BLOCK_SIZE, PD, free_port, greedy, kv_threads, make_engine, prompt
 from tests.kv_transfer.nixl.test_push_processes import d_params, p_params, push_config
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,8 +49,9 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
 
         def spied(remote: str, local: list[int], remote_ids: list[int], notification: bytes,
                   layers: Any = None) -> Any:
-            spy.writes.append(Write(transfer_config.engine_id, tuple(layers or ()), len(local), bool(notification),
-                                    forward_context._forward_context is not None))
+            in_forward = forward_context._forward_context is not None
+            spy.writes.append(Write(transfer_config.engine_id, tuple(layers or ()), len(local),
+                                    bool(notification), in_forward))
             if spy.fail_writes:
                 return FinishedTransfer("injected write failure")
             note = PushNotification.decode(notification)

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from tests.kv_transfer.nixl.engine_proc import EngineProcess
-from tests.kv_transfer.nixl.pd import BLOCK_SIZE, free_port, make_engine, nixl_config, prompt, reference_tokens
+from tests.kv_transfer.nixl.pd import (
+    BLOCK_SIZE,
+    free_port,
+    make_engine,
+    nixl_config,
+    prompt,
+    reference_tokens,
+)
 from tests.kv_transfer.nixl.test_pull_processes import BACKENDS, SECRET
 
 pytestmark = pytest.mark.timeout(300)
