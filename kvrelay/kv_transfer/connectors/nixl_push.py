@@ -22,7 +22,9 @@ kv_transfer_params (vLLM's names plus `transfer_mode` and `transfer_id`):
             transfer id), `remote_host` and `remote_port` (P's side channel)
 P answers its leg with `transfer_mode`, `transfer_id`, `remote_engine_id`, `remote_num_tokens`.
 
-Extra config: the pull connector's keys (see nixl.py), same meanings. `lease_seconds`: how long P
+Extra config: the pull connector's keys (see nixl.py), same meanings, plus `layerwise` (true;
+false writes the whole prompt once P computed it, as vLLM's push does: the baseline the layer-wise
+push is measured against). `lease_seconds`: how long P
 holds a computed prompt for a registration that has not come; a registration's own lease (P
 writes nothing for it once it ran out) is 3 heartbeats, renewed by D's heartbeats.
 `transfer_timeout_seconds`: D gives up when P makes no progress for this long (a registration
@@ -48,6 +50,7 @@ rank's notification arrived.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
@@ -77,6 +80,18 @@ if TYPE_CHECKING:
     from kvrelay.kv_transfer.transport.base import KVTransport, RegionLayout
     from kvrelay.request import Request
     from kvrelay.worker.forward_context import ForwardContext
+
+
+@dataclass(frozen=True)
+class PushConfig(NixlConfig):
+    """NixlConnector's settings plus how P writes."""
+
+    layerwise: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be true or false, got {self.layerwise!r}")
 
 
 class PushWorker:
@@ -216,7 +231,7 @@ class PushWorker:
 class NixlPushConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         super().__init__(config, role, kv_spec)
-        self.nixl_config = NixlConfig.from_extra_config(self.extra_config)
+        self.nixl_config = cast(PushConfig, PushConfig.from_extra_config(self.extra_config))
         self.keys = security.load_keys(self.nixl_config.secret_file)
         security.check_kv_ip(self.transfer_config.kv_ip, self.keys, warn=role == KVConnectorRole.WORKER)
         self._scheduler: NixlPushScheduler | None = None

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvrelay.kv_transfer.base import KVCacheSpec
-    from kvrelay.kv_transfer.connectors.nixl import NixlConfig
+    from kvrelay.kv_transfer.connectors.nixl_push import PushConfig
     from kvrelay.kv_transfer.transport.base import KVTransport
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class _Job:
 
 class PushSender:
     def __init__(self, transport: KVTransport, kv_spec: KVCacheSpec, layout: RegionLayout,
-                 config: NixlConfig, kv_layers: Sequence[torch.Tensor]) -> None:
+                 config: PushConfig, kv_layers: Sequence[torch.Tensor]) -> None:
         self.transport = transport
         self.kv_spec = kv_spec
         self.layout = layout
@@ -148,6 +148,8 @@ class PushSender:
         self._connect_and_catch_up()
 
     def save_layer(self, layer: int) -> None:
+        if not self.config.layerwise:
+            return
         for job in self._active:
             if job.step_end is not None:
                 self._push(job, [layer], job.step_end)
@@ -162,6 +164,8 @@ class PushSender:
                 if job.step_end < job.num_prompt_tokens and job.writes:
                     self._settle_writes(job)
                 job.ready, job.step_end = job.step_end, None
+                if not self.config.layerwise and job.ready >= job.num_prompt_tokens:
+                    self._catch_up(job)  # after prefill: the whole prompt in one write
         self._active = []
 
     def _job_for(self, transfer_id: str, req_id: str, num_prompt_tokens: int, digest: bytes) -> _Job:
@@ -195,7 +199,8 @@ class PushSender:
             except Exception as e:
                 reg.failure = f"cannot reach the decode instance's {self.config.backend} transport: {e}"
         for job in list(self._jobs.values()):
-            if job.step_end is None and self._writable(job.registration):
+            done = self.config.layerwise or job.ready >= job.num_prompt_tokens
+            if job.step_end is None and done and self._writable(job.registration):
                 self._catch_up(job)
 
     def _catch_up(self, job: _Job) -> None:

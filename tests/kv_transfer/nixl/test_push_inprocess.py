@@ -217,3 +217,20 @@ def test_a_registration_for_another_prompt_is_refused(make_pair, reference) -> N
     out = pair.wait(pair.d, {"m"})["m"]
     assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 3)
     assert pair.d.get_stats()["kv_load_failures"] == 1
+
+
+def test_push_after_prefill_writes_the_whole_prompt_once(make_pair, spy, reference) -> None:
+    pair, port = make_pair(p_batch=16, p_extra={"layerwise": False})  # vLLM's design, chunked P
+    tokens = prompt(10 * BLOCK_SIZE + 1, 69)
+    out = push(pair, port, "after", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    writes = [w for w in spy.writes if w.num_blocks]
+    assert len(writes) == 1 and writes[0].layers == tuple(range(NUM_LAYERS)) and writes[0].notified
+    assert writes[0].num_blocks == 11
+
+
+def test_bad_push_settings_are_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match="layerwise must be true or false"):
+        make_engine(push_config("kv_producer", "tcp", layerwise="yes"))
+    with pytest.raises(ValueError, match="unknown .* key"):
+        make_engine(push_config("kv_producer", "tcp", layer_wise=True))
