@@ -17,13 +17,7 @@ calls, so the threads take the GIL a few times per read rather than once per soc
 busy engine thread then barely slows a transfer. Every socket has a timeout, so a dead or
 stalled peer ends a read in ERROR, never a hang.
 
-A push runs the other way on the same kind of connection, opened by the writer (P) to the
-receiver's (D's) data port:
-
-    P -> D   WRIT header (block count, notification length, layer count), D's block ids, the
-             layer indices, notification, then the blocks' bytes layer by layer
-    D -> P   status once every byte sits in D's blocks (or why the write was refused: D's write
-             guard admits only blocks it registered for a push), then queues the notification
+A push (tcp_push.py) runs the other way: P opens the connection to D's data port and WRITes.
 
 With a shared secret, every connection starts with a mutual HMAC challenge-response; without
 one, the data port serves anyone who can reach it (bind it to loopback).
@@ -415,20 +409,9 @@ class TcpTransport(KVTransport):
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,
                      layers: Sequence[int] | None = None) -> TransferHandle:
-        remote = self._remotes.get(remote_engine_id)
-        if remote is None:
-            return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
-        if self.layout is None:
-            raise RuntimeError("register_kv_caches must come before write_blocks")
-        check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
-        chosen = list(range(len(self._layers))) if layers is None else list(layers)
-        if not all(0 <= layer < len(self._layers) for layer in chosen):
-            raise ValueError(f"layers {chosen} are outside 0..{len(self._layers) - 1}")
-        from kvrelay.kv_transfer.transport.tcp_push import send_write
+        from kvrelay.kv_transfer.transport.tcp_push import start_write
 
-        future = self._pool.submit(send_write, self, remote, list(local_block_ids), list(remote_block_ids),
-                                   notification, chosen)
-        return _TcpRead(future)
+        return start_write(self, remote_engine_id, local_block_ids, remote_block_ids, notification, layers)
 
     def set_write_guard(self, guard: WriteGuard | None) -> None:
         self._server.write_guard = guard

@@ -1,4 +1,11 @@
-"""The TCP transport's push (see the protocol in tcp.py): P writes blocks into D's KV tensors.
+"""The TCP transport's push: P writes blocks into D's KV tensors.
+
+One write on one persistent connection, opened by the writer (P) to the receiver's data port:
+
+    P -> D   WRIT header (block count, notification length, layer count), D's block ids, the
+             layer indices, notification, then the blocks' bytes layer by layer
+    D -> P   status once every byte sits in D's blocks (or why the write was refused: D's write
+             guard admits only blocks it registered for a push); the notification is queued
 
 The writer opens (or reuses) an authenticated connection to the receiver's data port and sends
 one WRIT: header, D's block ids, the layer indices, the notification and the bytes, in one
@@ -15,7 +22,7 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvrelay.kv_transfer.transport.base import TransportError
+from kvrelay.kv_transfer.transport.base import FinishedTransfer, TransferHandle, TransportError, check_read
 from kvrelay.kv_transfer.transport.tcp import (
     _MAGIC_WRITE,
     _MAX_ERROR_BYTES,
@@ -26,6 +33,7 @@ from kvrelay.kv_transfer.transport.tcp import (
     _recv_views,
     _runs,
     _send_views,
+    _TcpRead,
 )
 
 if TYPE_CHECKING:
@@ -88,6 +96,25 @@ def serve_one_write(server: _BlockServer, sock: socket.socket, num_ids: int, not
         guard.done(block_ids, notification)
     sock.sendall(_STATUS.pack(0, 0))
     return True
+
+
+def start_write(transport: TcpTransport, remote_engine_id: str, local_block_ids: Sequence[int],
+                remote_block_ids: Sequence[int], notification: bytes,
+                layers: Sequence[int] | None) -> TransferHandle:
+    """TcpTransport.write_blocks: check the request, then write on a pool thread."""
+    remote = transport._remotes.get(remote_engine_id)
+    if remote is None:
+        return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
+    if transport.layout is None:
+        raise RuntimeError("register_kv_caches must come before write_blocks")
+    check_read(local_block_ids, remote_block_ids, transport.layout.num_blocks, remote.layout.num_blocks)
+    num_layers = len(transport._layers)
+    chosen = list(range(num_layers)) if layers is None else list(layers)
+    if not all(0 <= layer < num_layers for layer in chosen):
+        raise ValueError(f"layers {chosen} are outside 0..{num_layers - 1}")
+    future = transport._pool.submit(send_write, transport, remote, list(local_block_ids),
+                                    list(remote_block_ids), notification, chosen)
+    return _TcpRead(future)
 
 
 def send_write(transport: TcpTransport, remote: _Remote, local_block_ids: list[int],
