@@ -107,6 +107,7 @@ class PushStatus(msgspec.Struct, kw_only=True):
     transfer_id: str
     state: str
     num_computed: int = 0
+    layers_computed: int = 0  # attention layers P ran for the request so far: its heartbeat
     lease_s: float = 0.0  # P writes nothing for this registration after this many seconds
     error: str = ""
 

@@ -365,12 +365,12 @@ class PushReceiver:
                 self._give_up(recv, f"the prefill instance stopped the push ({status.state}): {status.error}")
 
     def _progress(self, recv: _Recv, status: PushStatus, now: float) -> None:
-        """P computed further (or sent the completing write): D waits another timeout."""
+        """P computed another layer (or sent the completing write): D waits another timeout."""
         if status.state == PUSH_WAITING:
             return
         written = status.state == PUSH_WRITTEN
-        if status.num_computed > recv.progress or (written and not recv.written_seen):
-            recv.progress = max(recv.progress, status.num_computed)
+        if status.layers_computed > recv.progress or (written and not recv.written_seen):
+            recv.progress = max(recv.progress, status.layers_computed)
             recv.written_seen = recv.written_seen or written
             recv.deadline = now + self.config.transfer_timeout_seconds
 

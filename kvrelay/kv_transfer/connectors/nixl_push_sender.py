@@ -95,6 +95,7 @@ class _Job:
     sent: list[int]  # per layer: prompt tokens whose KV D holds (or is being written)
     ready: int = 0  # tokens whose KV exists in every layer
     step_end: int | None = None  # this step's forward computes up to here, layer by layer
+    layers_computed: int = 0  # progress D sees: advances with every layer of every chunk
     writes: list[TransferHandle] = field(default_factory=list)
     registration: _Registration | None = None
     started: bool = False  # a step computed it (False: known from a hold only)
@@ -148,10 +149,9 @@ class PushSender:
         self._connect_and_catch_up()
 
     def save_layer(self, layer: int) -> None:
-        if not self.config.layerwise:
-            return
         for job in self._active:
-            if job.step_end is not None:
+            job.layers_computed += 1
+            if job.step_end is not None and self.config.layerwise:
                 self._push(job, [layer], job.step_end)
 
     def end_step(self) -> None:
@@ -452,7 +452,8 @@ class PushSender:
             return PushStatus(transfer_id=transfer_id, state=PUSH_WAITING, lease_s=reg.lease_s)
         state = PUSH_WRITTEN if reg.final is not None else PUSH_WRITING
         computed = job.step_end if job.step_end is not None else job.ready
-        return PushStatus(transfer_id=transfer_id, state=state, num_computed=computed, lease_s=reg.lease_s)
+        return PushStatus(transfer_id=transfer_id, state=state, num_computed=computed,
+                          layers_computed=job.layers_computed, lease_s=reg.lease_s)
 
     def release_all(self) -> set[str]:
         """Shutdown: every held request ends now."""
