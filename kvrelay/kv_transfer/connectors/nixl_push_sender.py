@@ -228,7 +228,10 @@ class PushSender:
         others_done = all(job.sent[i] >= job.num_prompt_tokens
                           for i in range(self.num_layers) if i not in layers)
         final = upto >= job.num_prompt_tokens and others_done
-        if end <= start and not final:
+        new_sent = upto if upto >= job.num_prompt_tokens else upto // self.block_size * self.block_size
+        if end <= start and not final:  # nothing D lacks in this range (its local hit covers it)
+            for layer in layers:
+                job.sent[layer] = max(job.sent[layer], new_sent)
             return
         notification = b""
         if final:
@@ -250,7 +253,6 @@ class PushSender:
             job.writes.append(handle)
             if final:
                 reg.final = handle
-        new_sent = upto if upto >= job.num_prompt_tokens else upto // self.block_size * self.block_size
         for layer in layers:
             job.sent[layer] = max(job.sent[layer], new_sent)
         self._count("bytes_saved", len(local) * len(layers) * self.layout.block_bytes)

@@ -234,3 +234,15 @@ def test_bad_push_settings_are_refused_naming_the_key() -> None:
         make_engine(push_config("kv_producer", "tcp", layerwise="yes"))
     with pytest.raises(ValueError, match="unknown .* key"):
         make_engine(push_config("kv_producer", "tcp", layer_wise=True))
+
+
+def test_a_full_local_hit_on_d_lets_p_free_at_once(make_pair, spy, reference) -> None:
+    pair, port = make_pair()
+    base = prompt(3 * BLOCK_SIZE, 70)
+    push(pair, port, "warm", base + [3, 4])  # D's cache now holds base's 3 blocks
+    full = base + [5]
+    out = push(pair, port, "full", full)
+    assert out.outputs[0].token_ids == ref_tokens(reference, full, 4)
+    pair.settle(timeout_s=3)  # well before the registration lease (3 heartbeats, 6 s) would end it
+    assert pair.p.blocks_in_use == 0
+    assert pair.d.get_stats()["kv_load_failures"] == 0
