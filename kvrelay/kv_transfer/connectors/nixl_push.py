@@ -207,7 +207,9 @@ class PushWorker:
 
     def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None
-        return "push_statuses", PushStatuses(statuses=self.sender.heartbeat(decode(body, PushHeartbeat).refs))
+        heartbeat: PushHeartbeat = decode(body, PushHeartbeat)
+        statuses = self.sender.heartbeat(heartbeat.refs, heartbeat.sent_at)
+        return "push_statuses", PushStatuses(statuses=statuses)
 
     def _on_cancel(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None

@@ -82,6 +82,7 @@ class PushRegister(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int
     first_block: int
     block_ids: list[int]
+    sent_at: float = 0.0  # unix time: P refuses a registration older than its transfer timeout
 
 
 class PushRef(msgspec.Struct, array_like=True):
@@ -91,6 +92,7 @@ class PushRef(msgspec.Struct, array_like=True):
 
 class PushHeartbeat(msgspec.Struct, kw_only=True):
     refs: list[PushRef]
+    sent_at: float = 0.0  # unix time: a late heartbeat renews nothing
 
 
 # The states of a registration, as P reports them.

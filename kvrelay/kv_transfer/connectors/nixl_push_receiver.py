@@ -124,6 +124,7 @@ class _Peer:
     thread: PeerThread
     reply: HandshakeReply | None = None
     refs: tuple[PushRef, ...] = ()  # what the heartbeats renew (read by the peer thread)
+    last_beat_sent: float = 0.0  # monotonic, written by the peer thread
 
 
 @dataclass
@@ -226,7 +227,7 @@ class PushReceiver:
             base_addresses=list(layout.base_addresses), device=layout.device, block_size=me.block_size,
             fingerprint_digest=me.fingerprint_digest, prompt_digest=spec.prompt_digest,
             num_prompt_tokens=spec.num_prompt_tokens, first_block=spec.first_block,
-            block_ids=list(spec.local_block_ids))
+            block_ids=list(spec.local_block_ids), sent_at=time.time())
         try:
             reply = client.call("push_register", body, self.config.transfer_timeout_seconds)
             status, error, sender = decode(reply.body, PushStatus), None, reply.sender
@@ -239,9 +240,9 @@ class PushReceiver:
         refs = peer.refs
         if not refs or peer.reply is None:
             return
-        sent_at = time.monotonic()
+        sent_at = peer.last_beat_sent = time.monotonic()
         try:
-            reply = client.call("push_heartbeat", PushHeartbeat(refs=list(refs)),
+            reply = client.call("push_heartbeat", PushHeartbeat(refs=list(refs), sent_at=time.time()),
                                 min(5.0, peer.thread.heartbeat_s * 2))
         except SideChannelError as e:
             logger.warning("NixlPushConnector: heartbeat to %s:%d failed: %s", peer.host, peer.port, e)
@@ -438,12 +439,17 @@ class PushReceiver:
             return
         recv.state, recv.failure = "cancelling", reason
         self.guard.close(recv.registration_id)
+        peer = self._peer_of(recv)
         if not recv.contacted:
             recv.safe = True
         if not recv.safe:
-            recv.safe_after = (recv.last_contact + max(recv.lease_s, self.config.heartbeat_seconds * 3)
-                               + self.config.transfer_timeout_seconds)
-        peer = self._peer_of(recv)
+            # NOTE: P takes no registration or heartbeat older than the timeout, renews the lease
+            # by at most the lease from when it read one, and starts no write after that; a write
+            # it started ends within the timeout (the transport's bound).
+            timeout = self.config.transfer_timeout_seconds
+            lease = max(recv.lease_s, self.config.heartbeat_seconds * 3)
+            last = max(recv.last_contact, peer.last_beat_sent if peer is not None else 0.0)
+            recv.safe_after = last + timeout + lease + timeout
         if peer is not None:  # NOTE: also before registering, so P frees the request at once
             peer.thread.submit(functools.partial(self._cancel_job, recv=recv))
         self._check_cancelled(recv, time.monotonic())

@@ -353,6 +353,9 @@ class PushSender:
 
         if identity_problem is not None:
             return refuse(identity_problem)
+        age = time.time() - request.sent_at
+        if age > self.config.transfer_timeout_seconds:  # NOTE: D stopped waiting for it already
+            return refuse(f"the registration arrived {age:.1f} s after it was sent")
         problem = self._blocks_problem(request)
         if problem is not None:
             return refuse(problem)
@@ -400,13 +403,15 @@ class PushSender:
             return "the registration's prompt does not match the request's"
         return None
 
-    def heartbeat(self, refs: Sequence[PushRef]) -> list[PushStatus]:
+    def heartbeat(self, refs: Sequence[PushRef], sent_at: float) -> list[PushStatus]:
         now = time.monotonic()
+        # NOTE: a heartbeat that took longer than D's timeout renews nothing: D may have given up.
+        fresh = time.time() - sent_at <= self.config.transfer_timeout_seconds
         with self._lock:
             statuses = []
             for ref in refs:
                 reg = self._find(ref)
-                if reg is not None and reg.request.registration_id == ref.registration_id:
+                if reg is not None and fresh:
                     reg.expires = max(reg.expires, now + reg.lease_s)
                 statuses.append(self._status(ref.transfer_id, reg, now))
             return statuses
