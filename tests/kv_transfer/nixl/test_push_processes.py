@@ -4,6 +4,8 @@ order of registration and prefill, and nothing leaks on either side."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,9 +60,10 @@ def processes() -> Iterator[list[EngineProcess]]:
 
 
 def start_pair(processes: list[EngineProcess], backend: str, p_batch: int = 256,
+               p_extra: dict[str, Any] | None = None,
                **d_extra: Any) -> tuple[EngineProcess, EngineProcess, int]:
     port = free_port()
-    p = EngineProcess(push_config("kv_producer", backend, port=port), SECRET,
+    p = EngineProcess(push_config("kv_producer", backend, port=port, **(p_extra or {})), SECRET,
                       engine_options={"max_num_batched_tokens": p_batch})
     processes.append(p)
     d = EngineProcess(push_config("kv_consumer", backend, **d_extra), SECRET)
@@ -163,3 +166,26 @@ def test_pull_d_refuses_a_push_p_at_the_handshake(processes, reference) -> None:
     out = d.generate("pull", tokens, 3, params["kv_transfer_params"])
     assert out["token_ids"] == reference_tokens(reference, {"pull": tokens}, 3)["pull"]
     assert d.stats()["kv_load_failures"] == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hung_p_d_recomputes_and_the_resumed_p_writes_nothing(processes, reference, backend) -> None:
+    p, d, port = start_pair(processes, backend, p_extra={"lease_seconds": 2.0},
+                            transfer_timeout_seconds=1.0, heartbeat_seconds=0.2)
+    warm = prompt(2 * BLOCK_SIZE + 1, 51)
+    d.add("warm", warm, 2, d_params("t-warm", port))
+    p.add("p-warm", warm, 1, p_params("t-warm"))
+    assert d.result("warm")["finish_reason"] == "length"
+    written = p.stats()["kv_transfer_bytes"]
+    os.kill(p.process.pid, signal.SIGSTOP)
+    try:
+        tokens = prompt(3 * BLOCK_SIZE + 1, 52)
+        d.add("hung", tokens, 4, d_params("t-hung", port))
+        p.add("p-hung", tokens, 1, p_params("t-hung"))  # waits in the pipe while P is stopped
+        out = d.result("hung", timeout_s=60)
+        assert out["token_ids"] == reference_tokens(reference, {"hung": tokens}, 4)["hung"]
+        assert d.stats()["kv_load_failures"] == 1
+    finally:
+        os.kill(p.process.pid, signal.SIGCONT)
+    p.result("p-hung")  # P computes it now; D's stale registration and heartbeats are refused
+    assert p.wait_idle()["kv_transfer_bytes"] == written  # not one byte pushed after D gave up
