@@ -270,7 +270,8 @@ def bench_ttft(sizes: list[int], reps: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8000])
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096, 8000],
+                        help="prompt sizes of the critical-path table (none: only the TTFT part)")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--backends", nargs="+", default=["tcp", "nixl"] if nixl_installed() else ["tcp"])
     parser.add_argument("--kv-cache-memory", default="512MiB")
@@ -279,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also TTFT through kvrelay up for these prompt sizes (e.g. 1024 4096)")
     parser.add_argument("--ttft-reps", type=int, default=1)
     args = parser.parse_args(argv)
-    results = bench(args.backends, args.tokens, args.reps, args.kv_cache_memory, args.threads)
-    print_table(results, args.backends, args.tokens)
+    if args.tokens:
+        results = bench(args.backends, args.tokens, args.reps, args.kv_cache_memory, args.threads)
+        print_table(results, args.backends, args.tokens)
     if args.ttft:
         bench_ttft(args.ttft, args.ttft_reps)
 
