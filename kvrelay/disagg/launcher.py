@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -50,6 +51,7 @@ class ConnectorPlan:
 
     extra_config: dict[str, Any]  # kv_connector_extra_config, identical for P and D
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every serve child
+    transfer_mode: str = "pull"  # "push": the proxy starts both legs at once (push_mode.py)
 
 
 def plan_example_connector(workdir: Path) -> ConnectorPlan:
@@ -68,10 +70,17 @@ def plan_nixl_connector(workdir: Path) -> ConnectorPlan:
                          env={KV_SECRET_ENV: secrets.token_hex(32)})
 
 
+def plan_nixl_push_connector(workdir: Path) -> ConnectorPlan:
+    """NixlPushConnector: P writes into blocks D registered, layer by layer while it computes;
+    the proxy sends both legs at once and tells D where P's side channel is."""
+    return dataclasses.replace(plan_nixl_connector(workdir), transfer_mode="push")
+
+
 CONNECTOR_PLANS: dict[str, Callable[[Path], ConnectorPlan]] = {
     "ExampleConnector": plan_example_connector,
     "SharedStorageConnector": plan_example_connector,
     "NixlConnector": plan_nixl_connector,
+    "NixlPushConnector": plan_nixl_push_connector,
 }
 DEFAULT_CONNECTOR = "NixlConnector"
 
@@ -303,6 +312,7 @@ class LocalCluster:
         self.children: list[ChildProcess] = []
         self.workdir: Path | None = None
         self.port = spec.port
+        self.kv_addresses: dict[str, str] = {}  # child name -> "kv_ip:kv_port"
         self._stopped = False
 
     @property
@@ -350,6 +360,9 @@ class LocalCluster:
         proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
                       "--host", spec.host, "--port", str(self.port),
                       "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode)]
+        if plan.transfer_mode == "push":
+            proxy_argv += ["--transfer-mode", "push",
+                           "--prefill-kv", *(self.kv_addresses[c.name] for c in self.prefill)]
         proxy = ChildProcess("proxy", proxy_argv, self.url, log_dir / "proxy.log")
         self.children.append(proxy)
         proxy.start()
@@ -362,8 +375,9 @@ class LocalCluster:
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
         offload = spec.offload if kv_role == "kv_consumer" else None
         tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
-        config = kv_transfer_config(spec.connector, kv_role, engine_id, free_port_run(spec.host, tp), plan,
-                                    spec.host, offload)
+        kv_port = free_port_run(spec.host, tp)  # rank r listens on kv_port + r
+        self.kv_addresses[name] = f"{spec.host}:{kv_port}"
+        config = kv_transfer_config(spec.connector, kv_role, engine_id, kv_port, plan, spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
         return ChildProcess(name, serve_argv(spec, port, config, tp), f"http://{spec.host}:{port}",
                             log_dir / f"{name}.log", env)

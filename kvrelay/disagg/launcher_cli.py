@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
     p.add_argument("--connector", default=None,
-                   help="KV connector linking P and D (default: NixlConnector)")
+                   help="KV connector linking P and D (default: NixlConnector, a pull; NixlPushConnector: P "
+                        "pushes each layer into D's blocks while it computes)")
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--prefill-tp", type=int, default=1,

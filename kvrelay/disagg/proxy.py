@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvrelay.disagg import prompt_list
 from kvrelay.disagg.backends import Backend, BackendPool
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
+from kvrelay.disagg.push_mode import check_push_config, push_decode_params, push_prefill_params
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     health_timeout: float = 2.0
     max_connections: int = 512
+    # "push" (NixlPushConnector clusters): both legs start at once; see push_mode.py. Needs each
+    # prefill instance's KV side-channel address ("host:port"), in the order of prefill_urls.
+    transfer_mode: str = "pull"
+    prefill_kv_addresses: tuple[str, ...] = ()
 
 
 def prefill_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
@@ -117,6 +122,9 @@ class DisaggProxy:
         self.decode = BackendPool("decode", config.decode_urls)
         self.metrics = ProxyMetrics()
         self._client: httpx.AsyncClient | None = None
+        self.kv_addresses = check_push_config(config.transfer_mode, config.prefill_urls,
+                                              config.prefill_kv_addresses)
+        self._prefill_tasks: set[asyncio.Task[None]] = set()  # push mode: legs nobody awaits
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.config.max_connections,
@@ -126,6 +134,9 @@ class DisaggProxy:
         self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
     async def close(self) -> None:
+        for task in list(self._prefill_tasks):
+            task.cancel()
+        await asyncio.gather(*self._prefill_tasks, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -163,7 +174,7 @@ class DisaggProxy:
         if prompts is not None:
             return await self._generate_list(request, route, body, prompts, request_id, client_headers)
         headers = self._headers(request_id, client_headers)
-        kv_transfer_params = await self._prefill(route, body, request_id, headers)
+        kv_transfer_params = await self._prefill_or_push(route, body, request_id, headers)
         if await request.is_disconnected():
             self.metrics.errors.labels(kind="client_disconnected").inc()
             return Response(status_code=499)
@@ -176,7 +187,7 @@ class DisaggProxy:
         ids = [f"{request_id}-{k}" for k in range(len(prompts))]
         bodies = [{**body, "prompt": prompt} for prompt in prompts]
         headers = [self._headers(rid, client_headers) for rid in ids]
-        params = await asyncio.gather(*(self._prefill(route, b, rid, h)
+        params = await asyncio.gather(*(self._prefill_or_push(route, b, rid, h)
                                         for b, rid, h in zip(bodies, ids, headers, strict=True)))
         if await request.is_disconnected():
             self.metrics.errors.labels(kind="client_disconnected").inc()
@@ -203,6 +214,41 @@ class DisaggProxy:
             return JSONResponse(prompt_list.merge_bodies(answers, n, response_id), headers=response_headers)
         return StreamingResponse(self._relay_list(legs, n, response_id, request_id),
                                  media_type="text/event-stream", headers=response_headers)
+
+    async def _prefill_or_push(self, route: str, body: dict[str, Any], request_id: str,
+                               headers: dict[str, str]) -> dict[str, Any] | None:
+        """D's kv_transfer_params: after P's answer (pull), or at once with P's leg started
+        beside D's (push: D's leg goes out first, when the caller opens it)."""
+        if self.config.transfer_mode == "pull":
+            return await self._prefill(route, body, request_id, headers)
+        backend = self.prefill.acquire()
+        task = asyncio.ensure_future(self._push_prefill_leg(backend, route, body, request_id, headers))
+        self._prefill_tasks.add(task)
+        task.add_done_callback(self._prefill_tasks.discard)
+        return push_decode_params(request_id, self.kv_addresses[backend.url])
+
+    async def _push_prefill_leg(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
+                                headers: dict[str, str]) -> None:
+        """P's leg of a push; its answer is discarded. A failure is D's to recover from."""
+        try:
+            leg = {**prefill_body(body, request_id), "kv_transfer_params": push_prefill_params(request_id)}
+            with self.metrics.prefill_seconds.time():
+                response = await asyncio.wait_for(
+                    self.client.post(backend.url + route, json=leg, headers=headers),
+                    timeout=self.config.prefill_timeout)
+            outcome = "ok" if response.status_code == 200 else f"http_{response.status_code}"
+        except (TimeoutError, httpx.TimeoutException):
+            outcome = "timeout"
+        except httpx.TransportError:
+            outcome = "unreachable"
+        finally:
+            self.prefill.release(backend)
+        self.metrics.legs.labels(leg="prefill", backend=backend.url,
+                                 outcome="ok" if outcome == "ok" else "fallback").inc()
+        if outcome != "ok":
+            self.metrics.fallbacks.labels(reason=outcome).inc()
+            logger.warning("request %s: push prefill leg to %s gave %s; D prefills alone once it sees "
+                           "no progress", request_id, backend.url, outcome)
 
     async def _prefill(self, route: str, body: dict[str, Any], request_id: str,
                        headers: dict[str, str]) -> dict[str, Any] | None:

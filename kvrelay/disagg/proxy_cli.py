@@ -18,6 +18,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--api-key", default=None, help="API key the backends require (sent as Bearer)")
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="seconds before a prefill leg is given up and D prefills alone (default 60)")
+    p.add_argument("--transfer-mode", choices=("pull", "push"), default="pull",
+                   help="pull (NixlConnector: D reads after P answered) or push (NixlPushConnector: "
+                        "both legs at once, P writes into D's blocks while it computes)")
+    p.add_argument("--prefill-kv", nargs="+", default=[], metavar="HOST:PORT",
+                   help="push mode: each prefill instance's KV side channel (its kv_ip:kv_port), "
+                        "in the order of --prefill")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.set_defaults(func=cmd_proxy)
 
@@ -32,7 +38,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     if args.prefill_timeout <= 0:
         raise ValueError(f"--prefill-timeout must be > 0, got {args.prefill_timeout}")
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
-                         api_key=args.api_key, prefill_timeout=args.prefill_timeout)
+                         api_key=args.api_key, prefill_timeout=args.prefill_timeout,
+                         transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv))
     app = build_app(config)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

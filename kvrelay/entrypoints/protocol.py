@@ -216,7 +216,7 @@ class DetokenizeRequest(BaseModel):
 _KV_PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
     "remote_request_id": (str,), "remote_host": (str,), "remote_port": (int,), "tp_size": (int,),
-    "remote_num_tokens": (int,), "remote_block_ids": (list,),
+    "remote_num_tokens": (int,), "remote_block_ids": (list,), "transfer_mode": (str,), "transfer_id": (str,),
 }
 
 
@@ -238,6 +238,9 @@ def check_kv_transfer_params(params: dict[str, Any] | None) -> None:
                              f"(ints >= 0), got {value!r}")
         if isinstance(value, int) and not isinstance(value, bool) and value < 0:
             raise ValueError(f"kv_transfer_params.{key} must be >= 0, got {value!r}")
+    if params.get("transfer_mode") not in (None, "pull", "push"):
+        raise ValueError(f"kv_transfer_params.transfer_mode must be 'pull' or 'push', "
+                         f"got {params['transfer_mode']!r}")
 
 
 class _FieldError(ValueError):

@@ -79,4 +79,5 @@ register_connector("ExampleConnector", f"{_CONNECTORS_PACKAGE}.example", "Exampl
 register_connector("SharedStorageConnector", f"{_CONNECTORS_PACKAGE}.example", "ExampleConnector")
 register_connector("MultiConnector", f"{_CONNECTORS_PACKAGE}.multi", "MultiConnector")
 register_connector("NixlConnector", f"{_CONNECTORS_PACKAGE}.nixl", "NixlConnector")
+register_connector("NixlPushConnector", f"{_CONNECTORS_PACKAGE}.nixl_push", "NixlPushConnector")
 register_connector("OffloadConnector", f"{_CONNECTORS_PACKAGE}.offload", "OffloadConnector")

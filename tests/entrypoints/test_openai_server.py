@@ -279,6 +279,8 @@ BAD_REQUESTS = [
      ["remote_block_ids"], "kv_transfer_params"),
     ("/v1/completions", {"prompt": "t5", "kv_transfer_params": {"remote_port": "80"}}, 400,
      ["remote_port"], "kv_transfer_params"),
+    ("/v1/completions", {"prompt": "t5", "kv_transfer_params": {"transfer_mode": "sideways"}}, 400,
+     ["transfer_mode must be 'pull' or 'push'", "sideways"], "kv_transfer_params"),
     ("/v1/chat/completions", {"messages": []}, 400, ["messages"], "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, ["role"], "messages.0.role"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, ["messages"], "messages"),

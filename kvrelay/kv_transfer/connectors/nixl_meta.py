@@ -75,6 +75,7 @@ class HandshakeReply(msgspec.Struct, kw_only=True):
     lease_seconds: float
     tp_size: int = 1
     tp_rank: int = 0  # which of P's ranks answers on this port (kv_port + tp_rank)
+    transfer_mode: str = "pull"  # "push": a NixlPushConnector, which serves no reads
 
 
 class PinRequest(msgspec.Struct, kw_only=True):

@@ -282,6 +282,9 @@ class Puller:
     def _incompatibility(self, peer: _Peer, reply: HandshakeReply) -> str | None:
         me = self.identity
         where = f"the KV side channel at {peer.host}:{peer.port}"
+        if reply.transfer_mode != "pull":
+            return (f"{where} runs transfer_mode {reply.transfer_mode!r} (NixlPushConnector) and this "
+                    "decode instance 'pull' (NixlConnector): run both with the same kv_connector")
         if reply.engine_id != peer.engine_id:
             return (f"{where} is engine {reply.engine_id}, the params name {peer.engine_id} "
                     "(did the prefill instance restart?)")

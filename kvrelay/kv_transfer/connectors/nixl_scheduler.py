@@ -145,7 +145,7 @@ class NixlScheduler:
             "remote_request_id": request.request_id, "remote_block_ids": prompt_block_ids,
             "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": self.tp_size,
             "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
-            "remote_lease_id": lease_id, "remote_lease_expiry_ms": expiry_ms,
+            "remote_lease_id": lease_id, "remote_lease_expiry_ms": expiry_ms, "transfer_mode": "pull",
         }
         out["signature"] = security.sign_params(out, request.prompt_token_ids, self.keys.params)
         self._leases.append(LeaseSpec(

@@ -9,8 +9,9 @@ KV layout (fixed for the engine): per layer one tensor [num_blocks, 2, H_kv, blo
 block b of layer l starts at base_address(l) + b * block_bytes and is contiguous.
 
 Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU), a built-in TCP
-backend and Mooncake's Transfer Engine (tcp, or rdma where devices exist). All are pulls: D
-asks, P's side serves the requested blocks.
+backend and Mooncake's Transfer Engine (tcp, or rdma where devices exist). All pull (D asks,
+P's side serves the requested blocks); NIXL and TCP also push (`write_blocks`: P writes into
+blocks D registered with it; the notification then goes to D).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +120,18 @@ def check_compatible(local: RegionLayout, remote: RegionLayout) -> None:
                          f"{local.block_bytes}-byte blocks)")
 
 
+class WriteGuard(Protocol):
+    """What the receiving side of a push admits: a transport that sees each incoming write
+    (TCP) asks before it lets bytes land, and says when they did. One-sided transports (NIXL)
+    cannot ask; there the writer's own promise (the push lease) keeps late writes out."""
+
+    def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
+        """None to accept a write into `block_ids` (then `done` follows), else why not."""
+
+    def done(self, block_ids: Sequence[int], notification: bytes) -> None:
+        """The admitted write finished (landed or failed): no byte of it arrives later."""
+
+
 class KVTransport(ABC):
     """A backend that both serves (P) and pulls (D) blocks. Not thread-safe unless noted:
     the connector calls it from the engine thread."""
@@ -152,6 +165,19 @@ class KVTransport(ABC):
 
         Raises ValueError for a malformed request (lengths differ, a block id out of range);
         a read from an unknown or removed remote returns a handle already in ERROR."""
+
+    def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int], notification: bytes,
+                     layers: Sequence[int] | None = None) -> TransferHandle:
+        """Start writing local blocks into a remote's blocks, pairwise, for the layers given
+        (indices into the layer order; None: every layer). The remote receives `notification`
+        once the write completed (an empty one is not delivered). Returns immediately; the same
+        errors as read_blocks."""
+        raise NotImplementedError(f"the {self.name} transport cannot push blocks")
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:
+        """Ask `guard` before accepting each incoming write (where the transport sees them)."""
+        return None
 
     @abstractmethod
     def get_notifications(self) -> list[bytes]:

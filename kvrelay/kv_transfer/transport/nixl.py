@@ -80,10 +80,13 @@ def block_descriptors(layout: RegionLayout) -> np.ndarray:
     return descs.reshape(-1, 3)  # [L * N, 3]
 
 
-def descriptor_indices(block_ids: Sequence[int], num_layers: int, num_blocks: int) -> np.ndarray:
-    """Indices of `block_ids` in every layer of a layer-major descriptor list."""
+def descriptor_indices(block_ids: Sequence[int], num_layers: int, num_blocks: int,
+                       layers: Sequence[int] | None = None) -> np.ndarray:
+    """Indices of `block_ids` in every layer (or the `layers` given) of a layer-major
+    descriptor list."""
     ids = np.asarray(block_ids, dtype=np.int64)  # [n]
-    layer_starts = np.arange(num_layers, dtype=np.int64) * num_blocks  # [L]
+    chosen = np.arange(num_layers, dtype=np.int64) if layers is None else np.asarray(layers, dtype=np.int64)
+    layer_starts = chosen * num_blocks  # [L]
     return (layer_starts[:, None] + ids[None, :]).ravel().astype(np.int32)  # [L * n]
 
 
@@ -212,6 +215,37 @@ class NixlTransport(KVTransport):
         remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks)
         with self.lock:
             xfer = self.agent.make_prepped_xfer("READ", self._local_descs, local, remote.descs,
+                                                remote_indices, notification)
+            state = self.agent.transfer(xfer)
+        return _NixlRead(self, xfer, state)
+
+    def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int], notification: bytes,
+                     layers: Sequence[int] | None = None) -> TransferHandle:
+        return self._transfer("WRITE", remote_engine_id, local_block_ids, remote_block_ids,
+                              notification, layers)
+
+    def _transfer(self, op: str, remote_engine_id: str, local_block_ids: Sequence[int],
+                  remote_block_ids: Sequence[int], notification: bytes,
+                  layers: Sequence[int] | None) -> TransferHandle:
+        remote = self._remotes.get(remote_engine_id)
+        if remote is None:
+            return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
+        if self.layout is None:
+            raise RuntimeError("register_kv_caches must come before a transfer")
+        check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        num_layers = len(self.layout.layer_names)
+        if layers is not None and not all(0 <= layer < num_layers for layer in layers):
+            raise ValueError(f"layers {list(layers)} are outside 0..{num_layers - 1}")
+        if not local_block_ids or (layers is not None and not layers):
+            if notification:
+                with self.lock:
+                    self.agent.send_notif(remote.agent_name, notification)
+            return FinishedTransfer()
+        local = descriptor_indices(local_block_ids, num_layers, self.layout.num_blocks, layers)
+        remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks, layers)
+        with self.lock:
+            xfer = self.agent.make_prepped_xfer(op, self._local_descs, local, remote.descs,
                                                 remote_indices, notification)
             state = self.agent.transfer(xfer)
         return _NixlRead(self, xfer, state)

@@ -17,6 +17,8 @@ calls, so the threads take the GIL a few times per read rather than once per soc
 busy engine thread then barely slows a transfer. Every socket has a timeout, so a dead or
 stalled peer ends a read in ERROR, never a hang.
 
+A push (tcp_push.py) runs the other way: P opens the connection to D's data port and WRITes.
+
 With a shared secret, every connection starts with a mutual HMAC challenge-response; without
 one, the data port serves anyone who can reach it (bind it to loopback).
 """
@@ -44,6 +46,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransferHandle,
     TransferState,
     TransportError,
+    WriteGuard,
     check_compatible,
     check_read,
     describe_kv_caches,
@@ -60,6 +63,7 @@ _READ = struct.Struct("!4sII")  # magic, number of blocks, notification length
 _STATUS = struct.Struct("!BI")  # 0 = OK / 1 = error, error message length
 _MAGIC_HELLO = b"KVR1"
 _MAGIC_READ = b"READ"
+_MAGIC_WRITE = b"WRIT"  # a push: see tcp_push.py
 _ACK = b"A"
 _ACCEPT_POLL_S = 0.2
 _MAX_NOTIFICATION_BYTES = 64 * 1024  # a notification is "{request_id}:{n}"; this bounds P's buffer
@@ -175,6 +179,7 @@ class _BlockServer:
         self.num_blocks = 0
         self.block_bytes = 0
         self.notifications: deque[bytes] = deque()
+        self.write_guard: WriteGuard | None = None  # None: incoming writes are refused
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -243,6 +248,10 @@ class _BlockServer:
         if len(header) < _READ.size:
             header += _recv_bytes(sock, _READ.size - len(header))
         magic, num_ids, notification_len = _READ.unpack(header)
+        if magic == _MAGIC_WRITE:
+            from kvrelay.kv_transfer.transport.tcp_push import serve_one_write
+
+            return serve_one_write(self, sock, num_ids, notification_len)
         if magic != _MAGIC_READ:
             raise ConnectionError(f"bad request magic {magic!r}")
         problem = self._oversize(num_ids, notification_len)
@@ -410,6 +419,16 @@ class TcpTransport(KVTransport):
                 self._discard(sent_on)
             raise
         return _TcpRead(future)
+
+    def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int], notification: bytes,
+                     layers: Sequence[int] | None = None) -> TransferHandle:
+        from kvrelay.kv_transfer.transport.tcp_push import start_write
+
+        return start_write(self, remote_engine_id, local_block_ids, remote_block_ids, notification, layers)
+
+    def set_write_guard(self, guard: WriteGuard | None) -> None:
+        self._server.write_guard = guard
 
     def get_notifications(self) -> list[bytes]:
         queue = self._server.notifications

@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 
-def _serve(conn: Any, kv_transfer_config: dict[str, Any], env: dict[str, str]) -> None:
+def _serve(conn: Any, kv_transfer_config: dict[str, Any], env: dict[str, str],
+           engine_options: dict[str, Any] | None = None) -> None:
     os.environ.update(env)
     import torch
 
@@ -26,7 +27,7 @@ def _serve(conn: Any, kv_transfer_config: dict[str, Any], env: dict[str, str]) -
 
         nixl_worker.create_transport = lambda backend, config, **kw: InProcessTransport()  # type: ignore[assignment]
 
-    engine = make_engine(kv_transfer_config)
+    engine = make_engine(kv_transfer_config, **(engine_options or {}))
     conn.send(("ready", None))
     while True:
         busy = engine.has_pending_work()
@@ -55,10 +56,11 @@ def _serve(conn: Any, kv_transfer_config: dict[str, Any], env: dict[str, str]) -
 
 class EngineProcess:
     def __init__(self, kv_transfer_config: dict[str, Any], env: dict[str, str] | None = None,
-                 start_timeout_s: float = 120) -> None:
+                 start_timeout_s: float = 120, engine_options: dict[str, Any] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, kv_transfer_config, env or {}), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, kv_transfer_config, env or {}, engine_options),
+                                   daemon=True)
         self.process.start()
         self._outputs: dict[str, dict[str, Any]] = {}
         self._expect("ready", start_timeout_s)

@@ -1,0 +1,138 @@
+"""What the push connector passes around: per-step metadata (scheduler side -> worker side) and
+the bodies of the push side-channel messages (decode instance -> prefill instance).
+
+msgspec Structs throughout, so everything crosses a process or a machine as msgpack.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvrelay.kv_transfer.base import KVConnectorMetadata
+
+NOTIFICATION_PREFIX = b"kvrelay-push:"
+
+# ---------------------------------------------------------------- scheduler side -> worker side
+
+
+class PushStep(msgspec.Struct, kw_only=True):
+    """P: a push request computes prompt tokens in this step."""
+
+    req_id: str
+    transfer_id: str  # the id both legs share (the proxy's request id)
+    block_ids: list[int]  # all its blocks so far, in token order
+    num_computed_before: int  # prompt tokens whose KV existed before this step
+    num_computed_after: int  # ... and after it (capped at the prompt)
+    num_prompt_tokens: int
+    prompt_digest: bytes
+
+
+class PushHold(msgspec.Struct, kw_only=True):
+    """P: a push request finished; its blocks stay until the push ends or the lease expires."""
+
+    req_id: str
+    transfer_id: str
+    complete: bool  # the whole prompt's KV exists (False: aborted or failed before)
+    lease_seconds: float
+
+
+class PushRecv(msgspec.Struct, kw_only=True):
+    """D: register `local_block_ids` with the prefill instance and wait for its writes."""
+
+    req_id: str
+    transfer_id: str
+    remote_host: str
+    remote_port: int
+    prompt_digest: bytes
+    num_prompt_tokens: int
+    first_block: int  # the prompt block D's first registered block holds (after its local hit)
+    local_block_ids: list[int]
+    rejected: str | None = None  # the params were refused: fail at once, contact no one
+    notify_only: bool = False  # a full local hit: register nothing, only let P free
+
+
+class NixlPushMetadata(KVConnectorMetadata):
+    steps: list[PushStep] = msgspec.field(default_factory=list)
+    holds: list[PushHold] = msgspec.field(default_factory=list)
+    recvs: list[PushRecv] = msgspec.field(default_factory=list)
+    aborted_recvs: list[str] = msgspec.field(default_factory=list)
+
+
+# ---------------------------------------------------------------- side-channel message bodies
+
+
+class PushRegister(msgspec.Struct, kw_only=True):
+    """D -> P: write the prompt blocks from `first_block` on into `block_ids`. Carries what P
+    needs to reach D's memory (D's handshake, in the other direction)."""
+
+    transfer_id: str
+    registration_id: str  # random, chosen by D
+    engine_id: str
+    instance_id: str
+    backend: str
+    agent_metadata: bytes
+    layer_names: list[str]
+    num_blocks: int
+    block_bytes: int
+    base_addresses: list[int]
+    device: str
+    block_size: int
+    fingerprint_digest: str
+    prompt_digest: bytes
+    num_prompt_tokens: int
+    first_block: int
+    block_ids: list[int]
+    sent_at: float = 0.0  # unix time: P refuses a registration older than its transfer timeout
+
+
+class PushRef(msgspec.Struct, array_like=True):
+    transfer_id: str
+    registration_id: str
+
+
+class PushHeartbeat(msgspec.Struct, kw_only=True):
+    refs: list[PushRef]
+    sent_at: float = 0.0  # unix time: a late heartbeat renews nothing
+
+
+# The states of a registration, as P reports them.
+PUSH_WAITING = "waiting"  # registered; P has not started on the request yet
+PUSH_WRITING = "writing"  # P computes and writes; num_computed says how far it got
+PUSH_WRITTEN = "written"  # the completing write went out: its notification follows the bytes
+PUSH_CANCELLED = "cancelled"  # no write in flight and none will start: D may reuse its blocks
+PUSH_CANCELLING = "cancelling"  # cancelled, writes still in flight: ask again
+PUSH_REFUSED = "refused"  # never accepted (unknown or expired request, mismatch): nothing written
+PUSH_FAILED = "failed"  # P stopped writing (a write failed, P aborted the request)
+
+
+class PushStatus(msgspec.Struct, kw_only=True):
+    transfer_id: str
+    state: str
+    num_computed: int = 0
+    layers_computed: int = 0  # attention layers P ran for the request so far: its heartbeat
+    lease_s: float = 0.0  # P writes nothing for this registration after this many seconds
+    error: str = ""
+
+
+class PushStatuses(msgspec.Struct, kw_only=True):
+    statuses: list[PushStatus]
+
+
+class PushNotification(msgspec.Struct, array_like=True):
+    """The completing write's notification: which registration, and P's block checksums."""
+
+    transfer_id: str
+    registration_id: str
+    checksums: list[int]
+
+    def encode(self) -> bytes:
+        return NOTIFICATION_PREFIX + msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PushNotification | None:
+        if not raw.startswith(NOTIFICATION_PREFIX):
+            return None
+        try:
+            return msgspec.msgpack.decode(raw[len(NOTIFICATION_PREFIX):], type=cls)
+        except msgspec.DecodeError:
+            return None

@@ -1,0 +1,248 @@
+"""NixlPushConnector with P and D in one process over the real TCP transport, watched by a spy:
+writes leave as layers complete, a late registration gets what is done at once, and every
+failure ends in a recompute (or an error, per policy) with nothing leaked on either side."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvrelay.kv_transfer.connectors import nixl_worker
+from kvrelay.kv_transfer.connectors.nixl_push_meta import PushNotification
+from kvrelay.kv_transfer.transport.base import FinishedTransfer
+from kvrelay.worker import forward_context
+from tests.kv_transfer.nixl.pd import BLOCK_SIZE, PD, free_port, greedy, kv_threads, make_engine, prompt
+from tests.kv_transfer.nixl.test_push_processes import d_params, p_params, push_config
+
+pytestmark = pytest.mark.timeout(180)
+NUM_LAYERS = 2  # tests/tiny.py's model
+
+
+@dataclass
+class Write:
+    engine_id: str
+    layers: tuple[int, ...]
+    num_blocks: int
+    notified: bool
+    in_forward: bool  # issued from inside the forward pass (save_kv_layer)
+
+
+class Spy:
+    def __init__(self) -> None:
+        self.writes: list[Write] = []
+        self.fail_writes = False
+        self.corrupt_checksums = False
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    spy = Spy()
+    real = nixl_worker.create_transport
+
+    def create(backend: str, transfer_config: Any, **kwargs: Any) -> Any:
+        transport = real("tcp", transfer_config, **kwargs)
+        write = transport.write_blocks
+
+        def spied(remote: str, local: list[int], remote_ids: list[int], notification: bytes,
+                  layers: Any = None) -> Any:
+            in_forward = forward_context._forward_context is not None
+            spy.writes.append(Write(transfer_config.engine_id, tuple(layers or ()), len(local),
+                                    bool(notification), in_forward))
+            if spy.fail_writes:
+                return FinishedTransfer("injected write failure")
+            note = PushNotification.decode(notification)
+            if spy.corrupt_checksums and note is not None and note.checksums:
+                note.checksums[0] += 1
+                notification = note.encode()
+            return write(remote, local, remote_ids, notification, layers)
+
+        transport.write_blocks = spied  # type: ignore[method-assign]
+        return transport
+
+    monkeypatch.setattr(nixl_worker, "create_transport", create)
+    return spy
+
+
+@pytest.fixture
+def make_pair(spy: Spy) -> Iterator[Callable[..., tuple[PD, int]]]:
+    pairs: list[PD] = []
+
+    def build(p_batch: int = 256, d_policy: str = "recompute", p_extra: dict[str, Any] | None = None,
+              d_extra: dict[str, Any] | None = None) -> tuple[PD, int]:
+        port = free_port()
+        p = make_engine(push_config("kv_producer", "tcp", port=port, **(p_extra or {})),
+                        max_num_batched_tokens=p_batch)
+        d = make_engine(push_config("kv_consumer", "tcp", policy=d_policy, **(d_extra or {})))
+        pairs.append(PD(p, d))
+        return pairs[-1], port
+
+    yield build
+    try:
+        for pair in pairs:
+            pair.settle()
+            assert pair.p.blocks_in_use == 0, f"P leaked {pair.p.blocks_in_use} blocks"
+            assert pair.d.blocks_in_use == 0, f"D leaked {pair.d.blocks_in_use} blocks"
+    finally:
+        for pair in pairs:
+            pair.close()
+    assert not kv_threads(), f"threads left behind: {kv_threads()}"
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    return make_engine(None)
+
+
+def ref_tokens(reference: Any, tokens: list[int], max_tokens: int) -> list[int]:
+    from tests.kv_transfer.nixl.pd import reference_tokens
+
+    return reference_tokens(reference, {"r": tokens}, max_tokens)["r"]
+
+
+def _registered(pair: PD, transfer_id: str) -> bool:
+    sender = pair.p.runner.connector.worker.sender
+    return transfer_id in sender._waiting or transfer_id in sender._jobs
+
+
+def push(pair: PD, port: int, rid: str, tokens: list[int], max_tokens: int = 4, p_first: bool = False) -> Any:
+    """Both legs; by default D registers first (the proxy's order). Returns D's output."""
+    def add_p() -> None:
+        pair.p.add_request({"prompt_token_ids": tokens}, greedy(1), request_id=f"p-{rid}",
+                           kv_transfer_params=p_params(f"t-{rid}"))
+
+    if p_first:
+        add_p()
+        pair.wait(pair.p, {f"p-{rid}"})
+    pair.d.add_request({"prompt_token_ids": tokens}, greedy(max_tokens), request_id=rid,
+                       kv_transfer_params=d_params(f"t-{rid}", port))
+    if not p_first:  # D admits and registers before P sees the request (the proxy's aim)
+        pair.settle(until=lambda: _registered(pair, f"t-{rid}"), timeout_s=10)
+        add_p()
+    return pair.wait(pair.d, {rid})[rid]
+
+
+def test_each_layer_is_written_from_inside_the_forward_as_it_completes(make_pair, spy, reference) -> None:
+    pair, port = make_pair()
+    tokens = prompt(3 * BLOCK_SIZE + 1, 60)
+    out = push(pair, port, "a", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    writes = [w for w in spy.writes if w.num_blocks]
+    assert [w.layers for w in writes] == [(layer,) for layer in range(NUM_LAYERS)]
+    assert all(w.in_forward for w in writes)
+    assert [w.notified for w in writes] == [False] * (NUM_LAYERS - 1) + [True]
+
+
+def test_chunked_prefill_pushes_each_chunk_layer_by_layer(make_pair, spy, reference) -> None:
+    pair, port = make_pair(p_batch=16)  # 41 tokens: chunks of 16, 16 and 9
+    tokens = prompt(10 * BLOCK_SIZE + 1, 61)
+    out = push(pair, port, "c", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    writes = [w for w in spy.writes if w.num_blocks]
+    assert [w.layers for w in writes] == [(layer,) for _ in range(3) for layer in range(NUM_LAYERS)]
+    assert sum(w.notified for w in writes) == 1 and writes[-1].notified
+    assert pair.d.get_stats()["prompt_tokens_computed"] == 1
+
+
+def test_late_registration_gets_every_computed_layer_at_once(make_pair, spy, reference) -> None:
+    pair, port = make_pair()
+    tokens = prompt(4 * BLOCK_SIZE + 2, 62)
+    out = push(pair, port, "late", tokens, p_first=True)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    writes = [w for w in spy.writes if w.num_blocks]
+    assert len(writes) == 1 and writes[0].layers == tuple(range(NUM_LAYERS)) and writes[0].notified
+
+
+def test_d_aborted_while_waiting_frees_both_sides_and_p_writes_nothing(make_pair, spy) -> None:
+    pair, port = make_pair()
+    tokens = prompt(3 * BLOCK_SIZE, 63)
+    pair.d.add_request({"prompt_token_ids": tokens}, greedy(4), request_id="gone",
+                       kv_transfer_params=d_params("t-gone", port))
+    pair.settle(until=lambda: pair.d.get_stats()["num_waiting_for_remote_kv"] == 1, timeout_s=10)
+    pair.d.abort_request("gone")
+    pair.settle(until=lambda: pair.d.blocks_in_use == 0, timeout_s=10)
+    pair.p.add_request({"prompt_token_ids": tokens}, greedy(1), request_id="p-gone",
+                       kv_transfer_params=p_params("t-gone"))
+    pair.wait(pair.p, {"p-gone"})
+    assert [w for w in spy.writes if w.num_blocks] == []
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_write_ends_in_the_failure_policy(make_pair, spy, reference, policy) -> None:
+    pair, port = make_pair(d_policy=policy, d_extra={"heartbeat_seconds": 0.1})
+    spy.fail_writes = True
+    tokens = prompt(3 * BLOCK_SIZE + 1, 64)
+    out = push(pair, port, "w", tokens)
+    if policy == "recompute":
+        assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    else:
+        assert out.outputs[0].finish_reason == "error"
+    assert pair.d.get_stats()["kv_load_failures"] == 1
+
+
+def test_a_checksum_mismatch_is_recomputed(make_pair, spy, reference) -> None:
+    pair, port = make_pair()
+    spy.corrupt_checksums = True
+    tokens = prompt(3 * BLOCK_SIZE + 1, 65)
+    out = push(pair, port, "x", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    stats = pair.d.get_stats()
+    assert stats["kv_load_failures"] == 1 and stats["prompt_tokens_computed"] > 1
+
+
+def test_p_frees_an_unregistered_push_when_its_lease_expires(make_pair) -> None:
+    pair, _ = make_pair(p_extra={"lease_seconds": 0.3})
+    pair.p.add_request({"prompt_token_ids": prompt(9, 66)}, greedy(1), request_id="p-alone",
+                       kv_transfer_params=p_params("t-alone"))
+    pair.wait(pair.p, {"p-alone"})
+    assert pair.p.blocks_in_use > 0  # held for a registration
+    deadline = time.monotonic() + 10
+    while pair.p.blocks_in_use and time.monotonic() < deadline:
+        pair.step()
+        time.sleep(0.01)
+    assert pair.p.blocks_in_use == 0 and pair.p.get_stats()["kv_lease_expired"] == 1
+
+
+def test_a_registration_for_another_prompt_is_refused(make_pair, reference) -> None:
+    pair, port = make_pair(d_extra={"heartbeat_seconds": 0.1})
+    tokens, other = prompt(2 * BLOCK_SIZE + 1, 67), prompt(2 * BLOCK_SIZE + 1, 68)
+    pair.p.add_request({"prompt_token_ids": other}, greedy(1), request_id="p-m",
+                       kv_transfer_params=p_params("t-m"))
+    pair.wait(pair.p, {"p-m"})
+    pair.d.add_request({"prompt_token_ids": tokens}, greedy(3), request_id="m",
+                       kv_transfer_params=d_params("t-m", port))
+    out = pair.wait(pair.d, {"m"})["m"]
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 3)
+    assert pair.d.get_stats()["kv_load_failures"] == 1
+
+
+def test_push_after_prefill_writes_the_whole_prompt_once(make_pair, spy, reference) -> None:
+    pair, port = make_pair(p_batch=16, p_extra={"layerwise": False})  # vLLM's design, chunked P
+    tokens = prompt(10 * BLOCK_SIZE + 1, 69)
+    out = push(pair, port, "after", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    writes = [w for w in spy.writes if w.num_blocks]
+    assert len(writes) == 1 and writes[0].layers == tuple(range(NUM_LAYERS)) and writes[0].notified
+    assert writes[0].num_blocks == 11
+
+
+def test_bad_push_settings_are_refused_naming_the_key() -> None:
+    with pytest.raises(ValueError, match="layerwise must be true or false"):
+        make_engine(push_config("kv_producer", "tcp", layerwise="yes"))
+    with pytest.raises(ValueError, match="unknown .* key"):
+        make_engine(push_config("kv_producer", "tcp", layer_wise=True))
+
+
+def test_a_full_local_hit_on_d_lets_p_free_at_once(make_pair, spy, reference) -> None:
+    pair, port = make_pair()
+    base = prompt(3 * BLOCK_SIZE, 70)
+    push(pair, port, "warm", base + [3, 4])  # D's cache now holds base's 3 blocks
+    full = base + [5]
+    out = push(pair, port, "full", full)
+    assert out.outputs[0].token_ids == ref_tokens(reference, full, 4)
+    pair.settle(timeout_s=3)  # well before the registration lease (3 heartbeats, 6 s) would end it
+    assert pair.p.blocks_in_use == 0
+    assert pair.d.get_stats()["kv_load_failures"] == 0

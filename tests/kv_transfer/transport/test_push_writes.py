@@ -1,0 +1,128 @@
+"""Pushes (write_blocks) on both backends: P writes its blocks into D's, layer by layer, and D
+gets the notification; the TCP receiver admits only what its write guard allows."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kvrelay.kv_transfer.transport import TransferState, create_transport
+from tests.kv_transfer.transport.helpers import (
+    NUM_LAYERS,
+    collect_notifications,
+    finish,
+    kv_caches,
+    require_backend,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class RecordingGuard:
+    """Admits writes into `allowed` blocks only; counts admitted writes still in flight."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+        self.in_flight = 0
+        self.admitted = 0
+        self._lock = threading.Lock()
+
+    def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
+        with self._lock:
+            outside = sorted(set(block_ids) - self.allowed)
+            if outside:
+                return f"blocks {outside} are not registered"
+            self.in_flight += 1
+            self.admitted += 1
+            return None
+
+    def done(self, block_ids: Sequence[int], notification: bytes) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def push_pair(request):
+    """P knows D (as a push registration would tell it); D guards its blocks 0..5."""
+    require_backend(request.param)
+    threads_before = set(threading.enumerate())
+    p = create_transport(request.param, "engine-p")
+    d = create_transport(request.param, "engine-d")
+    p_kv, d_kv = kv_caches(seed=1), kv_caches(seed=2)
+    p.register_kv_caches(p_kv)
+    d_layout = d.register_kv_caches(d_kv)
+    guard = RecordingGuard(set(range(6)))
+    d.set_write_guard(guard)
+    p.add_remote("engine-d", d.agent_metadata(), d_layout)
+    yield p, d, p_kv, d_kv, guard
+    p.close()
+    d.close()
+    leftover = [t for t in threading.enumerate() if t not in threads_before]
+    assert not leftover, f"threads left after close(): {leftover}"
+
+
+def test_layer_writes_land_in_the_paired_blocks_of_those_layers_only(push_pair):
+    p, d, p_kv, d_kv, _ = push_pair
+    names = list(d_kv)
+    before = {name: kv.clone() for name, kv in d_kv.items()}
+    local, remote = [7, 8, 2], [4, 5, 0]  # P's blocks -> D's blocks, pairwise
+    assert finish(p.write_blocks("engine-d", local, remote, b"", layers=[1])) == TransferState.DONE
+    assert torch.equal(d_kv[names[1]][remote], p_kv[names[1]][local])
+    for i in (0, 2):  # other layers untouched
+        assert torch.equal(d_kv[names[i]], before[names[i]])
+    others = [b for b in range(d_kv[names[1]].shape[0]) if b not in remote]
+    assert torch.equal(d_kv[names[1]][others], before[names[1]][others])
+    assert d.get_notifications() == []  # an empty notification is not delivered
+
+
+def test_the_completing_write_carries_the_notification_to_the_receiver(push_pair):
+    p, d, p_kv, d_kv, _ = push_pair
+    for layer in range(NUM_LAYERS - 1):
+        assert finish(p.write_blocks("engine-d", [3], [1], b"", layers=[layer])) == TransferState.DONE
+    last = p.write_blocks("engine-d", [3], [1], b"push:req-1", layers=[NUM_LAYERS - 1])
+    assert finish(last) == TransferState.DONE
+    assert collect_notifications(d, 1) == [b"push:req-1"]
+    for name in p_kv:
+        assert torch.equal(d_kv[name][1], p_kv[name][3])
+
+
+def test_tcp_receiver_refuses_writes_outside_its_registered_blocks(push_pair):
+    p, d, p_kv, d_kv, guard = push_pair
+    if p.name != "tcp":
+        pytest.skip("a one-sided NIXL write is not seen by the receiver: the push lease guards it")
+    before = {name: kv.clone() for name, kv in d_kv.items()}
+    handle = p.write_blocks("engine-d", [1, 2], [5, 9], b"push:stray")  # 9 is not registered
+    assert finish(handle) == TransferState.ERROR
+    assert "not registered" in (handle.error or "")
+    for name in d_kv:
+        assert torch.equal(d_kv[name], before[name])
+    assert d.get_notifications() == []
+    # the connection survives the refusal: the next admitted write lands
+    assert finish(p.write_blocks("engine-d", [1], [5], b"")) == TransferState.DONE
+    assert guard.admitted == 1 and guard.in_flight == 0
+
+
+def test_tcp_receiver_without_a_guard_accepts_no_push():
+    p = create_transport("tcp", "engine-p")
+    d = create_transport("tcp", "engine-d")
+    try:
+        p.register_kv_caches(kv_caches(seed=1))
+        p.add_remote("engine-d", d.agent_metadata(), d.register_kv_caches(kv_caches(seed=2)))
+        handle = p.write_blocks("engine-d", [0], [0], b"")
+        assert finish(handle) == TransferState.ERROR
+        assert "accepts no pushed KV" in (handle.error or "")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_malformed_writes_are_refused_before_anything_moves(push_pair):
+    p, _, _, _, _ = push_pair
+    with pytest.raises(ValueError, match="outside the pool"):
+        p.write_blocks("engine-d", [0], [99], b"")
+    with pytest.raises(ValueError, match="layers"):
+        p.write_blocks("engine-d", [0], [0], b"", layers=[NUM_LAYERS])
+    assert p.write_blocks("unknown", [0], [0], b"").poll() == TransferState.ERROR
