@@ -45,6 +45,7 @@ from kvrelay.model.llama import CausalLM  # noqa: E402
 from kvrelay.model.loader import LoadedModel, load_model  # noqa: E402
 
 VOCAB = 49152
+STEPS = 10  # decode steps per timed repetition
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -112,7 +113,7 @@ def bench_overhead(batch: int, reps: int) -> list[str]:
     try:
         for engine in (uni, mp):
             start_decoding(engine, batch)
-        medians = alternate({"uni": uni, "mp": mp}, num_steps=10, reps=reps)
+        medians = alternate({"uni": uni, "mp": mp}, num_steps=STEPS, reps=reps)
         overhead_ms = (medians["mp"] - medians["uni"]) * 1e3
         return [f"executor overhead, decode batch {batch} | mp step {medians['mp'] * 1e3:.2f} ms | "
                 f"uni step {medians['uni'] * 1e3:.2f} ms | +{overhead_ms:.2f} ms "
@@ -140,7 +141,7 @@ def bench_tp_throughput(reps: int) -> list[str]:
     try:
         for engine in (tp1, tp2):
             start_decoding(engine, 16)
-        medians = alternate({"tp1": tp1, "tp2": tp2}, num_steps=10, reps=reps)
+        medians = alternate({"tp1": tp1, "tp2": tp2}, num_steps=STEPS, reps=reps)
         rows.append(f"decode tok/s, batch 16 | TP 2 {16 / medians['tp2']:.1f} | "
                     f"TP 1 {16 / medians['tp1']:.1f} | x{medians['tp1'] / medians['tp2']:.2f}")
         for engine in (tp1, tp2):
@@ -221,14 +222,18 @@ def bench_pd_ttft(reps: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="3 repetitions of 4 steps")
+    parser.add_argument("--rows", default="overhead1,overhead64,tp,pd",
+                        help="which rows, comma-separated (default: all)")
     args = parser.parse_args()
-    reps = 3 if args.quick else 7
+    global STEPS
+    reps, STEPS = (3, 4) if args.quick else (7, 10)
     print(f"# {cpu_summary()}; torch threads {torch.get_num_threads()}")
     print("measurement | value | baseline (same run) | ratio")
-    for bench in (lambda: bench_overhead(1, reps), lambda: bench_overhead(64, reps),
-                  lambda: bench_tp_throughput(reps), lambda: bench_pd_ttft(reps)):
-        for row in bench():
+    benches = {"overhead1": lambda: bench_overhead(1, reps), "overhead64": lambda: bench_overhead(64, reps),
+               "tp": lambda: bench_tp_throughput(reps), "pd": lambda: bench_pd_ttft(reps)}
+    for name in args.rows.split(","):
+        for row in benches[name]():
             print(row, flush=True)
 
 

@@ -117,8 +117,23 @@ class MultiprocExecutor(Executor):
             self._fail(f"worker {rank} (pid {self.processes[rank].pid}) died: its pipe closed "
                        f"(exit code {self.processes[rank].exitcode})")
         if reply.kind == "error":
+            dead = self._first_dead(exclude=rank, wait_s=1.0)
+            if dead is not None:  # NOTE: a peer's death breaks this rank's collectives: name the cause
+                self._fail(f"{dead}; worker {rank} then failed:\n{reply.error}")
             self._fail(f"worker {rank} failed:\n{reply.error}")
         return reply
+
+    def _first_dead(self, exclude: int, wait_s: float) -> str | None:
+        """Which other worker died (waiting up to `wait_s` for one to), described; else None."""
+        others: dict[Any, int] = {
+            self.processes[r].sentinel: r for r in range(self.world_size) if r != exclude}
+        ready = wait(list(others), wait_s) if others else []
+        for sentinel in ready:
+            rank = others[sentinel]
+            process = self.processes[rank]
+            process.join(timeout=1.0)
+            return f"worker {rank} (pid {process.pid}) died with exit code {process.exitcode}"
+        return None
 
     # ----------------------------------------------------------------------------- health
     def check_health(self) -> None:

@@ -45,6 +45,7 @@ class WorkerProcessArgs:
 
 def run_worker_process(args: WorkerProcessArgs, conn: Connection) -> None:
     """Process entry point. Exits 0 after a clean shutdown, 1 after an error."""
+    _die_with_engine()
     try:
         worker = _start_worker(args)
     except BaseException:  # noqa: BLE001 - every start-up failure must reach the engine
@@ -54,6 +55,25 @@ def run_worker_process(args: WorkerProcessArgs, conn: Connection) -> None:
     code = _serve_steps(worker, args.rank, conn)
     worker.shutdown()
     sys.exit(code)
+
+
+def _die_with_engine() -> None:
+    """On Linux, get SIGKILL when the engine's process dies, however it dies: a worker busy in a
+    step (or blocked in a collective) would otherwise notice only at its next pipe read.
+    NOTE: Linux ties this to the thread that started the worker: build the engine in a thread
+    that lives as long as the engine (the main thread everywhere in kvrelay)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1  # linux/prctl.h
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: the pipe still ends the loop
+        return
+    if os.getppid() == 1:  # the engine died before the request took effect
+        os._exit(1)
 
 
 def _start_worker(args: WorkerProcessArgs) -> Worker:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +100,44 @@ def test_shutdown_stops_every_worker_with_exit_code_zero() -> None:
     assert [p.exitcode for p in executor.processes] == [0, 0]
     assert_all_workers_gone(executor)
     engine.shutdown()  # idempotent
+
+
+_ENGINE_THEN_SLEEP = """
+import time
+from kvrelay import LLM
+from tests.tiny import tiny_loaded_model
+if __name__ == "__main__":
+    llm = LLM(loaded_model=tiny_loaded_model("llama"), num_blocks=32, block_size=4, tensor_parallel_size=2)
+    print(" ".join(str(pid) for pid in llm.engine.executor.pids), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_die_with_a_killed_engine_process(tmp_path: Path) -> None:
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_THEN_SLEEP)
+    root = Path(__file__).resolve().parents[2]
+    engine = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert engine.stdout is not None
+        pids = [int(pid) for pid in engine.stdout.readline().split()]
+        assert len(pids) == 2
+        engine.kill()  # SIGKILL: no atexit, no shutdown
+        engine.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _running(pid)], "a worker outlived its engine"
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(timeout=30)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
