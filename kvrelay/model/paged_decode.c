@@ -202,7 +202,8 @@ static inline void attend(
     for (int64_t j = 0; j < heads; j++) {
         /* fp8 V holds v / v_scale: the weighted sum scales back once, at the end */
         const float vscale = kv_unit(kind) * (kv_scales ? kv_scales[num_kv_heads + h0 + j / group] : 1.0f);
-        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] * (vscale / total[j]);
+        /* (acc * vscale) / total: bit for bit acc / total when vscale is 1 (every format but fp8) */
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j * D + d] * vscale / total[j];
     }
 }
 
