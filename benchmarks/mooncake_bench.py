@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+POLL_SLEEP_S = 0.0005  # kvrelay.engine.llm_engine.IDLE_STEP_SLEEP_S
+
 
 def mooncake_loads() -> bool:
     from kvrelay.kv_transfer.transport.mooncake import mooncake_available
@@ -131,20 +133,29 @@ def interleaved_mooncake(case: Any, reps: int,
         remote = [kv.data_ptr() + case.remote_block_ids[0] * block_bytes for kv in case.p_kv.values()]
         lengths = [block_bytes * len(case.remote_block_ids)] * len(local)
         ours, raw = [], []
-        for i in range(reps + 1):  # the first pair connects: not timed
+
+        def read_ours(i: int) -> None:
             start = time.perf_counter()
             handle = d.read_blocks("bench-p", case.local_block_ids, case.remote_block_ids, f"r{i}:1".encode())
             while handle.poll() == TransferState.PENDING:
-                time.sleep(0)
+                time.sleep(POLL_SLEEP_S)  # as an engine's step loop polls: it does not spin
             ours.append(time.perf_counter() - start)
             if handle.poll() != TransferState.DONE:
                 raise RuntimeError(f"mooncake read failed: {handle.error}")
-            check_copied(case)
+
+        def read_raw() -> None:
             start = time.perf_counter()
             if raw_d.batch_transfer_sync_read(peer, local, remote, lengths) != 0:
                 raise RuntimeError("raw Transfer Engine read failed")
             raw.append(time.perf_counter() - start)
-            check_copied(case)
+
+        for i in range(reps + 1):  # the first pair connects: not timed
+            # NOTE: which read goes first alternates, so neither always follows the other's tail
+            for ours_now in ((True, False) if i % 2 == 0 else (False, True)):
+                for layer in case.d_kv.values():
+                    layer[case.local_block_ids] = 0  # each read proves its own copy
+                read_ours(i) if ours_now else read_raw()
+                check_copied(case)
         ratios = [r / o for o, r in zip(ours[1:], raw[1:], strict=True)]
         return statistics.median(ours[1:]), statistics.median(raw[1:]), statistics.median(ratios)
     finally:
