@@ -237,9 +237,6 @@ class NixlPushConnector(KVConnectorBase):
             raise ValueError(f"NixlPushConnector runs at tensor_parallel_size=1 only, got {kv_spec.tp_size}; "
                              "use NixlConnector (pull) for tensor-parallel instances")
         self.nixl_config = cast(PushConfig, PushConfig.from_extra_config(self.extra_config))
-        if self.nixl_config.backend == "mooncake":
-            raise ValueError("NixlPushConnector pushes over backend 'nixl' or 'tcp'; the 'mooncake' "
-                             "transport only reads (use NixlConnector with it)")
         self.keys = security.load_keys(self.nixl_config.secret_file)
         security.check_kv_ip(self.transfer_config.kv_ip, self.keys, warn=role == KVConnectorRole.WORKER)
         self._scheduler: NixlPushScheduler | None = None

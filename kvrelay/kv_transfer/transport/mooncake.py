@@ -1,4 +1,5 @@
-"""The Mooncake transport: one-sided reads through Mooncake's Transfer Engine.
+"""The Mooncake transport: one-sided reads (and, for the push connector, writes) through
+Mooncake's Transfer Engine.
 
 Each side runs one `mooncake.engine.TransferEngine` with P2PHANDSHAKE metadata (peers find each
 other's registered buffers over the engine's own RPC port; no metadata server) and protocol
@@ -139,6 +140,7 @@ class _Job:
     triples: tuple[list[int], list[int], list[int]]
     notification: bytes
     handle: _MooncakeRead | None  # None: a notification alone
+    write: bool = False  # a push (P writes into the remote's blocks) rather than a read
 
 
 class MooncakeTransport(KVTransport):
@@ -223,6 +225,29 @@ class MooncakeTransport(KVTransport):
         self._jobs.put(_Job(remote_engine_id, triples, notification, handle))
         return handle
 
+    def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int], notification: bytes,
+                     layers: Sequence[int] | None = None) -> TransferHandle:
+        """P's side of a push: one-sided WRITEs of the given layers' blocks into the remote's, then
+        the notification (when not empty) over the signed side channel. As with NIXL, the receiver
+        does not see the write itself: the push connector's registration lease guards its blocks."""
+        remote = self._remotes.get(remote_engine_id)
+        if remote is None:
+            return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
+        if self.layout is None:
+            raise RuntimeError("register_kv_caches must come before write_blocks")
+        check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        num_layers = len(self.layout.base_addresses)
+        chosen = list(range(num_layers)) if layers is None else list(layers)
+        if not all(0 <= layer < num_layers for layer in chosen):
+            raise ValueError(f"layers {chosen} are outside 0..{num_layers - 1}")
+        triples = read_triples([self.layout.base_addresses[i] for i in chosen],
+                               [remote.layout.base_addresses[i] for i in chosen],
+                               self.layout.block_bytes, local_block_ids, remote_block_ids)
+        handle = _MooncakeRead()
+        self._jobs.put(_Job(remote_engine_id, triples, notification, handle, write=True))
+        return handle
+
     def get_notifications(self) -> list[bytes]:
         queue_ = self._notifications
         return [queue_.popleft() for _ in range(len(queue_))]
@@ -251,10 +276,12 @@ class MooncakeTransport(KVTransport):
                 job.handle.settle(f"remote engine {job.remote_engine_id!r} was removed before the read")
             return
         if job.handle is not None:
-            error = self._read(remote.info.session, *job.triples)
+            error = self._transfer(remote.info.session, *job.triples, write=job.write)
             job.handle.settle(error)
             if error is not None:
                 return
+        if job.write and not job.notification:  # a push's intermediate layers notify nobody
+            return
         address = (remote.info.notify_host, remote.info.notify_port)
         if address not in clients:
             clients[address] = SideChannelClient(ctx, *address, self._key)
@@ -264,17 +291,19 @@ class MooncakeTransport(KVTransport):
             logger.warning("mooncake transport: notification to %s failed: %s", job.remote_engine_id, e)
             clients.pop(address).close()
 
-    def _read(self, session: str, local: list[int], remote: list[int], lengths: list[int]) -> str | None:
+    def _transfer(self, session: str, local: list[int], remote: list[int], lengths: list[int],
+                  write: bool = False) -> str | None:
         step = self.max_batch_entries
+        verb, call = (("write to", self.engine.batch_transfer_sync_write) if write
+                      else ("read from", self.engine.batch_transfer_sync_read))
         for start in range(0, len(local), step):
             end = start + step
             try:
-                rc = self.engine.batch_transfer_sync_read(session, local[start:end], remote[start:end],
-                                                          lengths[start:end])
+                rc = call(session, local[start:end], remote[start:end], lengths[start:end])
             except Exception as e:  # the binding raises on a malformed request
-                return f"Mooncake read from {session} raised {type(e).__name__}: {e}"
+                return f"Mooncake {verb} {session} raised {type(e).__name__}: {e}"
             if rc != 0:
-                return f"Mooncake read from {session} failed (rc {rc}): peer gone or blocks not registered"
+                return f"Mooncake {verb} {session} failed (rc {rc}): peer gone or blocks not registered"
         return None
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Pushes (write_blocks) on both backends: P writes its blocks into D's, layer by layer, and D
+"""Pushes (write_blocks) on every backend: P writes its blocks into D's, layer by layer, and D
 gets the notification; the TCP receiver admits only what its write guard allows."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class RecordingGuard:
             self.in_flight -= 1
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", "nixl", "mooncake"])
 def push_pair(request):
     """P knows D (as a push registration would tell it); D guards its blocks 0..5."""
     require_backend(request.param)
@@ -92,7 +92,7 @@ def test_the_completing_write_carries_the_notification_to_the_receiver(push_pair
 def test_tcp_receiver_refuses_writes_outside_its_registered_blocks(push_pair):
     p, d, p_kv, d_kv, guard = push_pair
     if p.name != "tcp":
-        pytest.skip("a one-sided NIXL write is not seen by the receiver: the push lease guards it")
+        pytest.skip(f"a one-sided {p.name} write is not seen by the receiver: the push lease guards it")
     before = {name: kv.clone() for name, kv in d_kv.items()}
     handle = p.write_blocks("engine-d", [1, 2], [5, 9], b"push:stray")  # 9 is not registered
     assert finish(handle) == TransferState.ERROR
