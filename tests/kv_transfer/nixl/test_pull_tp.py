@@ -77,3 +77,32 @@ def test_abort_during_a_tp2_load_releases_every_rank(engines: Any, when: str) ->
     pd.settle(timeout_s=30)
     assert f"abort-{when}" not in pd.d.scheduler.requests
     assert pd.p.blocks_in_use == 0 and pd.d.blocks_in_use == 0
+
+
+def test_tp2_pair_pulls_rank_to_rank_over_mooncake() -> None:
+    """The Mooncake backend per rank: each of D's ranks reads its KV heads from P's same rank."""
+    from kvrelay.kv_transfer.transport.mooncake import mooncake_available
+    loads, why = mooncake_available()
+    if not loads:
+        pytest.skip(why)
+    extra = {**EXTRA, "backend": "mooncake"}
+    p, d = (LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+                max_num_batched_tokens=256, tensor_parallel_size=2,
+                kv_transfer_config=nixl_config(role, **extra)).engine
+            for role in ("kv_producer", "kv_consumer"))
+    reference = LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    try:
+        prompts = {f"mc-{i}": prompt(14 + 5 * i, salt=70 + i) for i in range(2)}
+        want = {rid: out.outputs[0].token_ids for rid, out in zip(prompts, reference.generate(
+            [{"prompt_token_ids": t} for t in prompts.values()], greedy(MAX_TOKENS), use_tqdm=False),
+            strict=True)}
+        pd = PD(p, d)
+        assert pd.run(prompts, MAX_TOKENS) == want
+        stats = d.get_stats()
+        assert stats["prompt_tokens_computed"] == len(prompts) and stats["kv_load_failures"] == 0
+        pd.settle(timeout_s=30)
+        assert p.blocks_in_use == 0 and d.blocks_in_use == 0
+    finally:
+        for engine in (p, d):
+            engine.shutdown()
+        reference.shutdown()
