@@ -85,6 +85,14 @@ CONNECTOR_PLANS: dict[str, Callable[[Path], ConnectorPlan]] = {
 DEFAULT_CONNECTOR = "NixlConnector"
 
 
+def connector_plan(spec: ClusterSpec, workdir: Path) -> ConnectorPlan:
+    """The cluster's connector plan, with `spec.kv_backend` as the transport where one is chosen."""
+    plan = CONNECTOR_PLANS[spec.connector](workdir)
+    if spec.kv_backend is None:
+        return plan
+    return dataclasses.replace(plan, extra_config={**plan.extra_config, "backend": spec.kv_backend})
+
+
 def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
                        plan: ConnectorPlan, host: str,
                        offload: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -123,11 +131,15 @@ class ClusterSpec:
     offload: dict[str, Any] | None = None
     prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
     decode_tp: int = 1  # tensor_parallel_size of each decode instance
+    kv_backend: str | None = None  # the Nixl connectors' transport (None: the plan's default)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
             raise ValueError(f"unknown connector {self.connector!r} for `kvrelay up`; "
                              f"known: {', '.join(CONNECTOR_PLANS)}")
+        if self.kv_backend is not None and self.connector not in ("NixlConnector", "NixlPushConnector"):
+            raise ValueError(f"kv_backend={self.kv_backend!r} chooses the transport of NixlConnector and "
+                             f"NixlPushConnector; {self.connector} has none")
         for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -349,7 +361,7 @@ class LocalCluster:
         check_port_free(spec.host, self.port)
         self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
         log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
-        plan = CONNECTOR_PLANS[spec.connector](self.workdir)
+        plan = connector_plan(spec, self.workdir)
         for index in range(spec.num_prefill):
             self.children.append(self._instance(f"prefill-{index}", "kv_producer", plan, log_dir))
         for index in range(spec.num_decode):

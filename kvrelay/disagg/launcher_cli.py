@@ -20,6 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--connector", default=None,
                    help="KV connector linking P and D (default: NixlConnector, a pull; NixlPushConnector: P "
                         "pushes each layer into D's blocks while it computes)")
+    p.add_argument("--kv-backend", default=None, choices=("nixl", "tcp", "mooncake"),
+                   help="transport of the Nixl connectors (default: nixl where installed, else tcp; "
+                        "mooncake: Mooncake's Transfer Engine, pip install 'kvrelay[mooncake]')")
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--prefill-tp", type=int, default=1,
@@ -84,7 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
                        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
                        offload=offload_config(args), prefill_tp=args.prefill_tp,
-                       decode_tp=args.decode_tp)
+                       decode_tp=args.decode_tp, kv_backend=args.kv_backend)
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt

@@ -17,6 +17,7 @@ from kvrelay.disagg.launcher import (
     ClusterSpec,
     LocalCluster,
     check_port_free,
+    connector_plan,
     kv_transfer_config,
     plan_example_connector,
     plan_nixl_connector,
@@ -144,3 +145,18 @@ def test_a_child_that_fails_to_start_is_reported_with_its_log(tmp_path: Path) ->
     assert "no-such-model" in str(info.value)  # the child's own error, from its log tail
     assert all(child.exit_code() is not None for child in cluster.children)
     assert cluster.workdir is not None and not cluster.workdir.exists()
+
+
+def test_kv_backend_sets_the_nixl_connectors_transport(tmp_path: Path) -> None:
+    from kvrelay.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["up", "--kv-backend", "mooncake"]).kv_backend == "mooncake"
+    for connector in ("NixlConnector", "NixlPushConnector"):
+        plan = connector_plan(ClusterSpec(connector=connector, kv_backend="mooncake"), tmp_path)
+        assert plan.extra_config["backend"] == "mooncake"
+    default = connector_plan(ClusterSpec(), tmp_path)
+    assert default.extra_config["backend"] in ("nixl", "tcp")
+    with pytest.raises(ValueError, match="ExampleConnector has none"):
+        ClusterSpec(connector="ExampleConnector", kv_backend="tcp")
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args(["up", "--kv-backend", "rdma"])
