@@ -4,6 +4,7 @@ found by a cache of another format (the key is rooted in the compatibility diges
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,22 @@ FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]
 PROMPTS = prompts_of([70, 37])
 
 
-def make_llm(kv_cache_dtype: str, kv_transfer_config: dict[str, Any] | None) -> LLM:
-    return LLM(loaded_model=tiny_loaded_model("llama"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-               kv_cache_dtype=kv_cache_dtype, kv_transfer_config=kv_transfer_config)
+_CREATED: list[LLM] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_engines() -> Iterator[None]:
+    """Every engine a test built is shut down after it, so no connector thread outlives it."""
+    yield
+    while _CREATED:
+        _CREATED.pop().shutdown()
+
+
+def make_llm(kv_cache_dtype: str, kv_transfer_config: dict[str, Any] | None, model: Any = None) -> LLM:
+    llm = LLM(loaded_model=model or tiny_loaded_model("llama"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+              kv_cache_dtype=kv_cache_dtype, kv_transfer_config=kv_transfer_config)
+    _CREATED.append(llm)
+    return llm
 
 
 def example_config(path: Path) -> dict[str, Any]:
@@ -86,8 +100,7 @@ def test_an_mla_latent_cache_round_trips_through_offload_and_example(connector: 
     config = offload_config(disk_dir=str(tmp_path)) if connector == "offload" else example_config(tmp_path)
 
     def mla_llm(kv_transfer_config: dict[str, Any] | None) -> LLM:
-        return LLM(loaded_model=tiny_mla_model(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                   kv_cache_dtype="bfloat16", kv_transfer_config=kv_transfer_config)
+        return make_llm("bfloat16", kv_transfer_config, model=tiny_mla_model())
 
     reference = generate(mla_llm(None), PROMPTS)
     assert generate(mla_llm(config), PROMPTS) == reference
@@ -101,11 +114,9 @@ def test_an_mla_latent_cache_round_trips_through_offload_and_example(connector: 
 def test_an_mla_latent_cache_round_trips_through_a_multi_connector(tmp_path: Path) -> None:
     children = [offload_config(cpu_bytes="4MiB"), example_config(tmp_path)]
     config = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": children}}
-    writer = LLM(loaded_model=tiny_mla_model(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                 kv_transfer_config=config)
+    writer = make_llm("auto", config, model=tiny_mla_model())
     first = generate(writer, PROMPTS)
-    reader = LLM(loaded_model=tiny_mla_model(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                 kv_transfer_config=config)  # fresh: its CPU tier is empty, the Example files remain
+    reader = make_llm("auto", config, model=tiny_mla_model())  # fresh: empty CPU tier, Example files remain
     assert generate(reader, PROMPTS) == first
     assert reader.engine.get_stats()["prompt_tokens_external"] > 0
     assert_no_leak(writer)
