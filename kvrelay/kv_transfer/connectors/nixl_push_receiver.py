@@ -164,6 +164,10 @@ class PushReceiver:
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []
+        # NOTE: a peer thread sends a registration or heartbeat, and records when, under this
+        # lock, and never for a receive D gave up: D's wait-out bound starts from a real send.
+        self._send_lock = threading.Lock()
+        self._given_up: set[str] = set()  # registration ids
 
     def has_pending(self) -> bool:
         return bool(self._recvs)
@@ -228,8 +232,13 @@ class PushReceiver:
             fingerprint_digest=me.fingerprint_digest, prompt_digest=spec.prompt_digest,
             num_prompt_tokens=spec.num_prompt_tokens, first_block=spec.first_block,
             block_ids=list(spec.local_block_ids), sent_at=time.time())
+        with self._send_lock:
+            if recv.registration_id in self._given_up:
+                return
+            recv.last_contact = max(recv.last_contact, time.monotonic())
+            client.send("push_register", body)
         try:
-            reply = client.call("push_register", body, self.config.transfer_timeout_seconds)
+            reply = client.receive(self.config.transfer_timeout_seconds)
             status, error, sender = decode(reply.body, PushStatus), None, reply.sender
         except SideChannelError as e:
             status, error, sender = None, f"registration failed: {e}", ""
@@ -237,13 +246,14 @@ class PushReceiver:
             self._events.put(("register", recv, status, error, time.monotonic(), sender))
 
     def _heartbeat_job(self, client: SideChannelClient, peer: _Peer) -> None:
-        refs = peer.refs
-        if not refs or peer.reply is None:
-            return
-        sent_at = peer.last_beat_sent = time.monotonic()
+        with self._send_lock:
+            refs = tuple(ref for ref in peer.refs if ref.registration_id not in self._given_up)
+            if not refs or peer.reply is None:
+                return
+            sent_at = peer.last_beat_sent = time.monotonic()
+            client.send("push_heartbeat", PushHeartbeat(refs=list(refs), sent_at=time.time()))
         try:
-            reply = client.call("push_heartbeat", PushHeartbeat(refs=list(refs), sent_at=time.time()),
-                                min(5.0, peer.thread.heartbeat_s * 2))
+            reply = client.receive(min(5.0, peer.thread.heartbeat_s * 2))
         except SideChannelError as e:
             logger.warning("NixlPushConnector: heartbeat to %s:%d failed: %s", peer.host, peer.port, e)
             return
@@ -329,7 +339,6 @@ class PushReceiver:
 
     def _register(self, peer: _Peer, recv: _Recv) -> None:
         recv.state, recv.contacted = "register", True
-        recv.last_contact = time.monotonic()
         peer.thread.submit(functools.partial(self._register_job, recv=recv))
 
     def _on_register(self, recv: _Recv, status: PushStatus | None, error: str | None,
@@ -439,6 +448,8 @@ class PushReceiver:
             return
         recv.state, recv.failure = "cancelling", reason
         self.guard.close(recv.registration_id)
+        with self._send_lock:  # from here on no registration or heartbeat for it leaves
+            self._given_up.add(recv.registration_id)
         peer = self._peer_of(recv)
         if not recv.contacted:
             recv.safe = True
@@ -472,6 +483,8 @@ class PushReceiver:
 
     def _forget(self, recv: _Recv) -> None:
         self.guard.close(recv.registration_id)
+        with self._send_lock:
+            self._given_up.discard(recv.registration_id)
         self._recvs.pop(recv.spec.req_id, None)
         self._by_registration.pop(recv.registration_id, None)
 

@@ -123,6 +123,7 @@ class PushSender:
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # transfer id -> (state, why)
         self._declined: OrderedDict[str, None] = OrderedDict()  # D gave up before registering
         self._active: list[_Job] = []  # jobs this step computes
+        self._write_bytes: dict[int, int] = {}  # id(handle) -> bytes, until it settles
         self._stats: dict[str, float] = {}
 
     def has_pending(self) -> bool:
@@ -251,11 +252,11 @@ class PushSender:
                 reg.failure = f"the transport refused the write: {e}"
                 return
             job.writes.append(handle)
+            self._write_bytes[id(handle)] = len(local) * len(layers) * self.layout.block_bytes
             if final:
                 reg.final = handle
         for layer in layers:
             job.sent[layer] = max(job.sent[layer], new_sent)
-        self._count("bytes_saved", len(local) * len(layers) * self.layout.block_bytes)
 
     def _settle_writes(self, job: _Job) -> bool:
         """Wait (bounded) until the job's earlier writes are done: the completing write must
@@ -283,6 +284,9 @@ class PushSender:
                     still.append(handle)
                     continue
                 reg = job.registration
+                num_bytes = self._write_bytes.pop(id(handle), 0)
+                if state == TransferState.DONE:  # NOTE: counted once landed, not when started
+                    self._count("bytes_saved", num_bytes)
                 if state == TransferState.ERROR and reg is not None and not reg.failure:
                     reg.failure = f"a write failed: {handle.error}"
                     self._count("save_failures")

@@ -176,6 +176,7 @@ class SideChannelClient:
         self.key = key
         self.stop = stop or threading.Event()  # set: every call gives up at once
         self.address = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self._pending = new_envelope("", None, "")  # the request `receive` answers
         self._socket = ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self.address)
@@ -183,8 +184,17 @@ class SideChannelClient:
     def call(self, kind: str, body: msgspec.Struct, timeout_s: float) -> Envelope:
         """Send a request, return the authenticated reply; SideChannelError on a timeout, a
         refusal or a reply that fails authentication."""
-        request = new_envelope(kind, body, "")
-        self._socket.send_multipart(seal(self.key, request))
+        self.send(kind, body)
+        return self.receive(timeout_s)
+
+    def send(self, kind: str, body: msgspec.Struct) -> None:
+        """The first half of `call`: send the request (`receive` waits for its reply)."""
+        self._pending = new_envelope(kind, body, "")
+        self._socket.send_multipart(seal(self.key, self._pending))
+
+    def receive(self, timeout_s: float) -> Envelope:
+        """The second half of `call`: the authenticated reply to the last request sent."""
+        request = self._pending
         deadline = time.monotonic() + timeout_s
         while True:
             left_ms = int((deadline - time.monotonic()) * 1000)
