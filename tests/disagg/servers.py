@@ -65,6 +65,7 @@ class FakeBackend:
     mode: str = "ok"
     delay: float = 0.0
     chunk_delay: float = 0.0
+    answered: int = 0  # requests answered (after `delay`)
     num_chunks: int = 3
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -107,6 +108,7 @@ class FakeBackend:
                                            "code": 400}}, status_code=400)
         if self.delay:
             await asyncio.sleep(self.delay)
+        self.answered += 1  # past the delay: what a test asks to tell "still busy" from "done"
         if body.get("stream"):
             return StreamingResponse(self._stream(), media_type="text/event-stream")
         answer: dict[str, Any] = {"id": body.get("request_id"), "object": "chat.completion",
