@@ -112,6 +112,14 @@ def check_read(local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
             raise ValueError(f"{side} block ids {bad[:8]} are outside the pool of {num_blocks} blocks")
 
 
+def check_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The layer indices a push writes (every layer for None); ValueError for one outside the pool."""
+    chosen = list(range(num_layers)) if layers is None else list(layers)
+    if not all(0 <= layer < num_layers for layer in chosen):
+        raise ValueError(f"layers {chosen} are outside 0..{num_layers - 1}")
+    return chosen
+
+
 def check_compatible(local: RegionLayout, remote: RegionLayout) -> None:
     """Raise ValueError unless a remote's blocks can be copied byte for byte into ours."""
     if len(local.layer_names) != len(remote.layer_names) or local.block_bytes != remote.block_bytes:

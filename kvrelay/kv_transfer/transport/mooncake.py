@@ -40,6 +40,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransferState,
     TransportError,
     check_compatible,
+    check_layers,
     check_read,
     describe_kv_caches,
 )
@@ -237,10 +238,7 @@ class MooncakeTransport(KVTransport):
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before write_blocks")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
-        num_layers = len(self.layout.base_addresses)
-        chosen = list(range(num_layers)) if layers is None else list(layers)
-        if not all(0 <= layer < num_layers for layer in chosen):
-            raise ValueError(f"layers {chosen} are outside 0..{num_layers - 1}")
+        chosen = check_layers(layers, len(self.layout.base_addresses))
         triples = read_triples([self.layout.base_addresses[i] for i in chosen],
                                [remote.layout.base_addresses[i] for i in chosen],
                                self.layout.block_bytes, local_block_ids, remote_block_ids)

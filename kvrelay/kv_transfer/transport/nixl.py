@@ -33,6 +33,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransferHandle,
     TransferState,
     check_compatible,
+    check_layers,
     check_read,
     describe_kv_caches,
 )
@@ -235,8 +236,8 @@ class NixlTransport(KVTransport):
             raise RuntimeError("register_kv_caches must come before a transfer")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
         num_layers = len(self.layout.layer_names)
-        if layers is not None and not all(0 <= layer < num_layers for layer in layers):
-            raise ValueError(f"layers {list(layers)} are outside 0..{num_layers - 1}")
+        if layers is not None:
+            check_layers(layers, num_layers)
         if not local_block_ids or (layers is not None and not layers):
             if notification:
                 with self.lock:

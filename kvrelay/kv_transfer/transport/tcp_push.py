@@ -22,7 +22,13 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvrelay.kv_transfer.transport.base import FinishedTransfer, TransferHandle, TransportError, check_read
+from kvrelay.kv_transfer.transport.base import (
+    FinishedTransfer,
+    TransferHandle,
+    TransportError,
+    check_layers,
+    check_read,
+)
 from kvrelay.kv_transfer.transport.tcp import (
     _MAGIC_WRITE,
     _MAX_ERROR_BYTES,
@@ -108,10 +114,7 @@ def start_write(transport: TcpTransport, remote_engine_id: str, local_block_ids:
     if transport.layout is None:
         raise RuntimeError("register_kv_caches must come before write_blocks")
     check_read(local_block_ids, remote_block_ids, transport.layout.num_blocks, remote.layout.num_blocks)
-    num_layers = len(transport._layers)
-    chosen = list(range(num_layers)) if layers is None else list(layers)
-    if not all(0 <= layer < num_layers for layer in chosen):
-        raise ValueError(f"layers {chosen} are outside 0..{num_layers - 1}")
+    chosen = check_layers(layers, len(transport._layers))
     future = transport._pool.submit(send_write, transport, remote, list(local_block_ids),
                                     list(remote_block_ids), notification, chosen)
     return _TcpRead(future)
