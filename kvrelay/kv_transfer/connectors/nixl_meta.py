@@ -76,6 +76,7 @@ class HandshakeReply(msgspec.Struct, kw_only=True):
     tp_size: int = 1
     tp_rank: int = 0  # which of P's ranks answers on this port (kv_port + tp_rank)
     transfer_mode: str = "pull"  # "push": a NixlPushConnector, which serves no reads
+    transfer_timeout_seconds: float = 0.0  # how long one of this instance's writes may take (push)
 
 
 class PinRequest(msgspec.Struct, kw_only=True):

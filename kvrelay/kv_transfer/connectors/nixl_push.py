@@ -186,7 +186,8 @@ class PushWorker:
             block_bytes=layout.block_bytes, base_addresses=list(layout.base_addresses),
             device=layout.device, block_size=self.kv_spec.block_size,
             fingerprint_digest=self.kv_spec.fingerprint_digest(), fingerprint=dict(self.kv_spec.fingerprint),
-            lease_seconds=self.nixl_config.lease_seconds, transfer_mode="push")
+            lease_seconds=self.nixl_config.lease_seconds, transfer_mode="push",
+            transfer_timeout_seconds=self.nixl_config.transfer_timeout_seconds)
 
     def _on_register(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None and self.layout is not None
@@ -208,7 +209,7 @@ class PushWorker:
     def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None
         heartbeat: PushHeartbeat = decode(body, PushHeartbeat)
-        statuses = self.sender.heartbeat(heartbeat.refs, heartbeat.sent_at)
+        statuses = self.sender.heartbeat(heartbeat.refs, heartbeat.sent_at, heartbeat.max_age_s)
         return "push_statuses", PushStatuses(statuses=statuses)
 
     def _on_cancel(self, body: bytes) -> tuple[str, msgspec.Struct]:

@@ -83,6 +83,10 @@ class PushRegister(msgspec.Struct, kw_only=True):
     first_block: int
     block_ids: list[int]
     sent_at: float = 0.0  # unix time: P refuses a registration older than its transfer timeout
+    # NOTE: D's own bounds, which D's wait-out after giving up relies on, so P honours them
+    # even when its own timeout or lease is longer (0: not stated, P's own apply)
+    max_age_s: float = 0.0  # P takes this registration (and its heartbeats) no older than this
+    max_lease_s: float = 0.0  # P's lease on the registration: at most this from each renewal
 
 
 class PushRef(msgspec.Struct, array_like=True):
@@ -93,6 +97,7 @@ class PushRef(msgspec.Struct, array_like=True):
 class PushHeartbeat(msgspec.Struct, kw_only=True):
     refs: list[PushRef]
     sent_at: float = 0.0  # unix time: a late heartbeat renews nothing
+    max_age_s: float = 0.0  # a heartbeat older than this (or P's transfer timeout) renews nothing
 
 
 # The states of a registration, as P reports them.

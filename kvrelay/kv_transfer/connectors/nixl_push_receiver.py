@@ -231,7 +231,8 @@ class PushReceiver:
             base_addresses=list(layout.base_addresses), device=layout.device, block_size=me.block_size,
             fingerprint_digest=me.fingerprint_digest, prompt_digest=spec.prompt_digest,
             num_prompt_tokens=spec.num_prompt_tokens, first_block=spec.first_block,
-            block_ids=list(spec.local_block_ids), sent_at=time.time())
+            block_ids=list(spec.local_block_ids), sent_at=time.time(),
+            max_age_s=self.config.transfer_timeout_seconds, max_lease_s=self._lease_bound())
         with self._send_lock:
             if recv.registration_id in self._given_up:
                 return
@@ -251,7 +252,8 @@ class PushReceiver:
             if not refs or peer.reply is None:
                 return
             sent_at = peer.last_beat_sent = time.monotonic()
-            client.send("push_heartbeat", PushHeartbeat(refs=list(refs), sent_at=time.time()))
+            client.send("push_heartbeat", PushHeartbeat(refs=list(refs), sent_at=time.time(),
+                                                        max_age_s=self.config.transfer_timeout_seconds))
         try:
             reply = client.receive(min(5.0, peer.thread.heartbeat_s * 2))
         except SideChannelError as e:
@@ -457,13 +459,21 @@ class PushReceiver:
             # NOTE: P takes no registration or heartbeat older than the timeout, renews the lease
             # by at most the lease from when it read one, and starts no write after that; a write
             # it started ends within the timeout (the transport's bound).
+            # The age and lease bounds are ours (the registration states them); the write bound
+            # is the longer of the two instances' timeouts.
             timeout = self.config.transfer_timeout_seconds
-            lease = max(recv.lease_s, self.config.heartbeat_seconds * 3)
+            reply = peer.reply if peer is not None else None
+            theirs = reply.transfer_timeout_seconds if reply is not None else 0.0
+            lease = max(recv.lease_s, self._lease_bound())
             last = max(recv.last_contact, peer.last_beat_sent if peer is not None else 0.0)
-            recv.safe_after = last + timeout + lease + timeout
+            recv.safe_after = last + timeout + lease + max(timeout, theirs)
         if peer is not None:  # NOTE: also before registering, so P frees the request at once
             peer.thread.submit(functools.partial(self._cancel_job, recv=recv))
         self._check_cancelled(recv, time.monotonic())
+
+    def _lease_bound(self) -> float:
+        """The longest lease P may hold on one of our registrations from a renewal."""
+        return self.config.heartbeat_seconds * 3
 
     def _check_cancelled(self, recv: _Recv, now: float) -> None:
         admitted = self.guard.in_flight(recv.registration_id)

@@ -17,7 +17,9 @@ NOTE: the safety of D's blocks. P starts no write for a registration that was ca
 whose lease ran out (D renews it with heartbeats), and says "cancelled" only when none of its
 writes is in flight; every check and every write start happen under one lock. So once D heard
 "cancelled", or its last renewal plus the lease and a write's time bound have passed, nothing
-of P's lands in those blocks any more.
+of P's lands in those blocks any more. The bounds D counts on are D's: P takes no registration
+or heartbeat older than D's timeout and grants no longer lease than D states, even when its
+own settings are longer.
 
 P frees the blocks of a finished request (finished_sending) when no write is in flight and the
 push completed, failed, was cancelled, or nobody registered before the lease expired.
@@ -358,7 +360,7 @@ class PushSender:
         if identity_problem is not None:
             return refuse(identity_problem)
         age = time.time() - request.sent_at
-        if age > self.config.transfer_timeout_seconds:  # NOTE: D stopped waiting for it already
+        if age > self._max_age(request.max_age_s):  # NOTE: D stopped waiting for it already
             return refuse(f"the registration arrived {age:.1f} s after it was sent")
         problem = self._blocks_problem(request)
         if problem is not None:
@@ -377,8 +379,9 @@ class PushSender:
                     problem = "the prefill instance aborted the request"
                 if problem is not None:
                     return refuse(problem)
-            reg = _Registration(request, f"{request.engine_id}/{request.instance_id}", self.reg_lease_s,
-                                expires=now + self.reg_lease_s,
+            lease_s = min(self.reg_lease_s, request.max_lease_s or self.reg_lease_s)
+            reg = _Registration(request, f"{request.engine_id}/{request.instance_id}", lease_s,
+                                expires=now + lease_s,
                                 match_by=now + self.config.transfer_timeout_seconds)
             if job is not None and job.started:
                 job.registration = reg
@@ -407,10 +410,15 @@ class PushSender:
             return "the registration's prompt does not match the request's"
         return None
 
-    def heartbeat(self, refs: Sequence[PushRef], sent_at: float) -> list[PushStatus]:
+    def _max_age(self, stated: float) -> float:
+        """How old a registration or heartbeat may be: ours and D's transfer timeout, the shorter."""
+        own = self.config.transfer_timeout_seconds
+        return min(own, stated) if stated > 0 else own
+
+    def heartbeat(self, refs: Sequence[PushRef], sent_at: float, max_age_s: float = 0.0) -> list[PushStatus]:
         now = time.monotonic()
         # NOTE: a heartbeat that took longer than D's timeout renews nothing: D may have given up.
-        fresh = time.time() - sent_at <= self.config.transfer_timeout_seconds
+        fresh = time.time() - sent_at <= self._max_age(max_age_s)
         with self._lock:
             statuses = []
             for ref in refs:
