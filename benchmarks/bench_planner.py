@@ -187,7 +187,7 @@ MIN_SCALE_SPREAD_MS = 50.0  # predicted TTFT spread of the idle requests needed 
 
 
 def overheads_from(samples: Calibration, prof: Profile, cluster: ClusterSpec,
-                   scaled: bool = True) -> dict[str, float]:
+                   scaled: bool = False) -> dict[str, float]:
     """The target's constants from idle requests (one at a time, before the load), for this step
     model: with `scaled`, "scale" is the slope of measured TTFT against the TTFT the profile
     predicts (short and long prompts: how fast this target computes compared to the profile,
@@ -320,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profiles", default=None,
                    help="reuse two profiles 'SINGLE.json,PD.json' instead of profiling again")
     p.add_argument("--calibration-requests", type=int, default=4)
+    p.add_argument("--fit-scale", action="store_true",
+                   help="also fit a step-time scale from the idle requests (off by default: on the quiet "
+                        "machine it made the predictions worse, see docs/planning.md)")
     p.add_argument("--predict-only", action="store_true", help="no servers: print the predictions only")
     p.add_argument("--replay", default=None,
                    help="no servers: predict against the measurement in an earlier run's --json-out "
@@ -339,7 +342,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def compare(profiles: dict[str, Profile], samples: dict[str, Calibration],
             measured: dict[str, dict[float, Latencies]], wl: bench_serving.Workload, args: argparse.Namespace,
-            verbose: bool = True, scaled: bool = True) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+            verbose: bool = True, scaled: bool = False) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
     """Calibrate each target's constants against these profiles, predict every rate, print."""
     overheads = {k: overheads_from(samples[k], p, CLUSTERS[k], scaled) for k, p in profiles.items()}
     tuned = {k: with_overhead(p, overheads[k]) for k, p in profiles.items()}
@@ -404,14 +407,17 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.predict_only:
         samples, measured = measure(args, wl)
     print_decode_tables(profiles)
-    report, _ = compare(profiles, samples, measured, wl, args)
+    report, _ = compare(profiles, samples, measured, wl, args, scaled=args.fit_scale)
     if any(p.decode_by_batch for p in profiles.values()):
         linear = {k: replace(p, decode_by_batch={}) for k, p in profiles.items()}
         print("\nthe same profiles and measurements, decode steps from the linear fit instead of the "
               "per-batch table (the model before decode_by_batch):")
-        report["linear_decode_fit"], _ = compare(linear, samples, measured, wl, args, verbose=False)
-    print("\nthe same, without the step-time scale (additive overheads only, the calibration before it):")
-    report["unscaled"], _ = compare(profiles, samples, measured, wl, args, verbose=False, scaled=False)
+        report["linear_decode_fit"], _ = compare(linear, samples, measured, wl, args, verbose=False,
+                                                 scaled=args.fit_scale)
+    other = not args.fit_scale
+    print(f"\nthe same, {'with' if other else 'without'} the step-time scale fitted from the idle requests:")
+    report["fit_scale" if other else "unscaled"], _ = compare(profiles, samples, measured, wl, args,
+                                                              verbose=False, scaled=other)
     if args.json_out:
         out = {"args": {k: v for k, v in vars(args).items()}, **report,
                **measurement_json(samples, measured),

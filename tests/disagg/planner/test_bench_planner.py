@@ -113,13 +113,14 @@ def test_replay_predicts_against_a_stored_measurement_with_both_decode_models(
                        "--rates", "1", "--num-requests", "4", "--json-out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "decode step by batch size, ms less the context term: 1: 5.0, 3: 3.0" in text
-    assert text.count("within 25%: ") == 3  # per-batch table, linear fit, no scale
+    assert text.count("within 25%: ") == 3  # per-batch table, linear fit, with the scale fitted
     report = json.loads(out.read_text())
     assert len(report["rows"]) == 8 and all(r["measured_ms"] is not None for r in report["rows"])
     assert len(report["linear_decode_fit"]["rows"]) == 8
     assert report["overhead_ms"]["P/D"]["step"] == pytest.approx(2.0)  # 7 ms measured, 5 predicted
-    assert report["overhead_ms"]["P/D"]["scale"] == 1.0  # one prompt length: no slope to fit
-    assert "without the step-time scale" in text and len(report["unscaled"]["rows"]) == 8
+    assert report["overhead_ms"]["P/D"]["scale"] == 1.0  # additive constants only, by default
+    assert "with the step-time scale fitted" in text and len(report["fit_scale"]["rows"]) == 8
+    assert report["fit_scale"]["overhead_ms"]["P/D"]["scale"] == 1.0  # one prompt length: no slope
 
 
 def test_calibration_fits_how_much_slower_the_target_computes(bench: ModuleType) -> None:
@@ -133,7 +134,7 @@ def test_calibration_fits_how_much_slower_the_target_computes(bench: ModuleType)
         spec = bench.RequestSpec(0.0, n, 8)
         result = simulate(cluster, slow, Workload((spec,)))
         samples.append((spec, result.ttft_s[0], result.tpot_s[0]))
-    fitted = bench.overheads_from(samples, prof, cluster)
+    fitted = bench.overheads_from(samples, prof, cluster, scaled=True)
     assert fitted == pytest.approx({"request": 30.0, "step": 4.0, "scale": 2.0})
-    additive = bench.overheads_from(samples, prof, cluster, scaled=False)
+    additive = bench.overheads_from(samples, prof, cluster)  # the default: additive constants only
     assert additive["scale"] == 1.0 and additive["step"] == pytest.approx(9.0)  # 2 * 5 + 4 - 5
