@@ -8,8 +8,7 @@ see the same machine state (on a shared VM, separate runs drift by 10% and more)
 
   attention    kvrelay/model/paged_decode.c (blocks read in place) against the torch route
                (gather the blocks into a padded copy, then batched matmuls);
-  linear       kvrelay.model.layers.linear (kvrelay/model/linear.c for 3-512 rows, a row-split
-               bmm for 1-2) against F.linear;
+  linear       kvrelay.model.layers.linear (kvrelay/model/linear.c for 1-512 rows) against F.linear;
   elementwise  kvrelay/model/elementwise.c (add + RMSNorm, SiLU-mul, rotary, KV write) against
                the torch operators;
   all          every native path at once (KVRELAY_NATIVE_KERNELS=1) against none (=0).

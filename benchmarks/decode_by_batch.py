@@ -5,10 +5,11 @@
 One engine (the default model unless --model), pure decode steps of B sequences with --context
 tokens each, the batch sizes taking turns for --rounds rounds (so a noisy neighbour hits them
 alike). Per B: the median and best wall time and thread CPU time of a step, and the median wall
-time against B=1's measured in the same run. On this project's 2-core VM the engine's linear
-layers multiply 1-2 rows by a split `bmm` and 3-512 rows by the native kernel
-(kvrelay.model.layers.linear), so a step of 3 sequences can cost less than one of 1: no line
-through (B, ms) describes that, which is what `decode_by_batch` in a profile is for.
+time against B=1's measured in the same run. Until 2026-12-02 the engine's linear layers
+multiplied 1-2 rows by a split `bmm` and 3-512 rows by the native kernel
+(kvrelay.model.layers.linear), so a step of 3 sequences could cost less than one of 1: no line
+through (B, ms) describes that, which is what `decode_by_batch` in a profile is for. The native
+kernel now takes 1-512 rows; the table stays, since a step's cost need not be a line anyway.
 """
 
 from __future__ import annotations

@@ -35,15 +35,20 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]; the same result as `F.linear`.
 
-    On the CPU in float32 it picks, by the number of rows T (2 threads, MKL, an AMD EPYC; all 121
-    weights of SmolLM2 in turn, so each is read from memory as in a decode step):
-    - 3..512 rows: the native kernel (`linear.c`), at 16-64 rows 1.2-1.9x faster than MKL through
-      `F.linear` (MKL runs at 50-100 GFLOP/s there, the kernel at 100-170); from 64 rows on about
-      even or a little ahead, and past 512 rows (prefill) MKL is left to it.
-    - 1-2 rows (single-stream decode), or when the kernel is unavailable or the shapes don't fit
-      it: the weight's rows cut in `_ROW_PARTS` equal parts multiplied as one `bmm`, so each thread
-      streams its own part: 2.6x faster than `F.linear` at one row, where reading the weight is
-      the whole cost; used up to `_ROW_SPLIT_MAX_TOKENS` rows.
+    On the CPU in float32 it picks, by the number of rows T:
+    - 1..512 rows: the native kernel (`linear.c`). Measured on an AMD EPYC (2 threads, MKL; all
+      121 weights of SmolLM2 in turn, so each is read from memory as in a decode step): at 16-64
+      rows 1.2-1.9x faster than MKL through `F.linear` (MKL runs at 50-100 GFLOP/s there, the
+      kernel at 100-170); from 64 rows on about even or a little ahead, and past 512 rows
+      (prefill) MKL is left to it. At 1-2 rows (single-stream decode, where reading the weight is
+      the whole cost) it streams the weights at 13 GB/s against 5.5 for the row-split `bmm`
+      below: on an Intel Xeon (AVX-512, 2026-12-02) one pass over SmolLM2's weights took 41 ms
+      against 97 at one thread and 38 against 70 at two, and a decode step of one or two
+      sequences ran 2.2-2.3x faster at one thread, with the AVX-512 and the AVX2 (`haswell`) build.
+    - when the kernel is unavailable or the shapes don't fit it, up to `_ROW_SPLIT_MAX_TOKENS`
+      rows: the weight's rows cut in `_ROW_PARTS` equal parts multiplied as one `bmm`, so each
+      thread streams its own part (2.6x faster than `F.linear` at one row on the EPYC, where
+      MKL's one-row product at two threads is pathological).
     - anything else: `F.linear`.
     """
     out_features, in_features = weight.shape
@@ -69,7 +74,7 @@ def _native_f32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-_NATIVE_MIN_TOKENS = 3
+_NATIVE_MIN_TOKENS = 1
 _NATIVE_MAX_TOKENS = 512
 _ROW_PARTS = 2
 _ROW_SPLIT_MAX_TOKENS = 64

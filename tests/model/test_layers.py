@@ -42,6 +42,7 @@ def test_linear_module_is_a_drop_in_nn_linear() -> None:
 
 # ----------------------------------------------------------------------------- native kernels
 def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1-512 rows (every decode step, single-stream included) go native; prefill goes to MKL."""
     kernel = require_kernel("linear", "native", native.linear_kernel)
     calls: list[int] = []
 
@@ -58,9 +59,10 @@ def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pyte
     for rows in (1, 2, 3, 64, 512, 513):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
-    assert calls == [3, 64, 512]
+    assert calls == [1, 2, 3, 64, 512]
     linear(torch.randn(8, 40), torch.randn(64, 40))  # in_features 40 does not fit: torch
-    assert calls == [3, 64, 512]
+    linear(torch.randn(1, 40), torch.randn(64, 40))  # nor at one row: the row-split bmm
+    assert calls == [1, 2, 3, 64, 512]
 
 
 def test_native_linear_off_or_without_compiler_falls_back_to_torch(

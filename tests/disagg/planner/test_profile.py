@@ -76,9 +76,9 @@ def test_profile_a_tiny_model_with_the_quick_grid() -> None:
     profile = run_profile(llm.engine, QUICK_GRID, max_seconds=120, threads=1, backends=["tcp"],
                           progress=False)
     assert {s["prefix_tokens"] for s in profile.samples["prefill"]} == {0, 16}
-    # 2 and 3 added to the grid's 1 and 4: the engine's linear layers change route at 3 rows
-    assert {s["batch_size"] for s in profile.samples["decode"]} == {1, 2, 3, 4}
-    assert sorted(profile.decode_by_batch) == [1, 2, 3, 4]
+    # the grid's sizes: the engine's linear layers change route only past 512 rows
+    assert {s["batch_size"] for s in profile.samples["decode"]} == {1, 4}
+    assert sorted(profile.decode_by_batch) == [1, 4]
     assert profile.transfer["tcp"].ms_per_mib >= 0 and len(profile.samples["transfer"]) == 2
     assert profile.num_blocks == llm.engine.num_blocks and profile.kv_bytes_per_token > 0
     assert profile.step_ms([(32, 0)], []) > 0 and profile.step_ms([], [16, 16]) > 0
@@ -98,9 +98,9 @@ def test_decode_by_batch_is_interpolated_between_sampled_sizes() -> None:
 
 
 def test_decode_grid_samples_both_sides_of_the_engine_route_change() -> None:
-    assert decode_batches([1, 4, 8]) == [1, 2, 3, 4, 8]
+    assert decode_batches([1, 4, 8]) == [1, 4, 8]  # 1..512 rows: one route (the native kernel)
     assert decode_batches([1]) == [1]
-    assert decode_batches([2, 600]) == [2, 3, 512, 513, 600]
+    assert decode_batches([2, 600]) == [2, 512, 513, 600]
 
 
 def test_decode_table_takes_the_median_less_the_context_term() -> None:
