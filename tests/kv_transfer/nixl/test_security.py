@@ -177,6 +177,24 @@ def test_checksum_is_the_wrapping_sum_of_each_blocks_words_folded_over_layers(dt
     assert security.block_digests(kv, block_ids) == expected
 
 
+def test_checksum_of_a_head_slice_matches_the_same_heads_held_alone() -> None:
+    """P (2 heads a block) checksums head 1's K and V ranges; D, holding head 1 alone, checksums
+    its whole block: the same bytes, the same digest."""
+    import torch
+
+    p_kv = [torch.randn(6, 2, 2, 4, 16) for _ in range(2)]  # [num_blocks, 2, H_kv, block_size, D]
+    d_kv = [layer[:, :, 1:2].contiguous() for layer in p_kv]  # head 1 only
+    head_bytes = 4 * 16 * 4
+    p_ranges = [(head_bytes, head_bytes), (3 * head_bytes, head_bytes)]  # K and V of head 1
+    assert security.block_digests(p_kv, [3, 0], p_ranges) == security.block_digests(d_kv, [3, 0])
+    d_ranges = [(0, head_bytes), (head_bytes, head_bytes)]
+    assert security.block_digests(d_kv, [3, 0], d_ranges) == security.block_digests(d_kv, [3, 0])
+    p_kv[1][0, 0, 0, 0, 0] += 1.0  # head 0: outside the slice
+    assert security.block_digests(p_kv, [3, 0], p_ranges) == security.block_digests(d_kv, [3, 0])
+    p_kv[1][0, 1, 1, 0, 0] += 1.0  # head 1's V
+    assert security.block_digests(p_kv, [3, 0], p_ranges)[1] != security.block_digests(d_kv, [3, 0])[1]
+
+
 # ---------------------------------------------------------------- end to end
 
 
