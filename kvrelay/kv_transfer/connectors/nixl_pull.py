@@ -180,8 +180,8 @@ class Puller:
             plan = plan_reads(me.num_kv_heads, spec.remote_tp_size, me.tp_size, me.tp_rank, me.head_bytes)
         except ValueError as e:
             self._results.count("tp_mismatch")
-            self._fail_now(spec.req_id, f"comes from a prefill instance with tp_size {spec.remote_tp_size} "
-                           f"this decode instance (tp_size {me.tp_size}) cannot pair with: {e}")
+            self._fail_now(spec.req_id, f"comes from a prefill instance with tp_size {spec.remote_tp_size}, "
+                           f"which this decode instance (tp_size {me.tp_size}) cannot pair with: {e}")
             return
         for source in plan.releases:  # P ranks nobody reads from: they may free at once
             self._release(self._peer_for(spec, source), spec, source.num_readers)
@@ -212,8 +212,10 @@ class Puller:
         port = spec.remote_port + source.p_rank
         key = f"{spec.remote_engine_id}#{source.p_rank}"
         peer = self._peers.get(key)
-        if peer is not None and (peer.host, peer.port) != (spec.remote_host, port):
-            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{port}")
+        if peer is not None and (peer.host, peer.port, peer.tp_size) != (spec.remote_host, port,
+                                                                         spec.remote_tp_size):
+            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{port} "
+                                  f"(tp_size {spec.remote_tp_size})")
             peer = None
         if peer is None:
             beats: list[_Peer] = []  # NOTE: the thread needs its peer, the peer its thread

@@ -162,20 +162,23 @@ def test_one_p_ranks_failed_slice_fails_the_request_once_and_d_recomputes(
 
 
 @pytest.mark.parametrize("when", ["admitted", "loading"])
-def test_abort_during_a_tp2_load_releases_every_rank(engines: Engines, when: str) -> None:
-    """D tp 2 aborts a request whose two rank pulls are in flight: both ranks settle, the request
-    ends aborted, and neither instance keeps a block on any rank."""
-    pd = engines.pair("tcp", 2, 2)
-    tokens = prompt(3 * BLOCK_SIZE + 1, salt=40 + len(when))
-    params = pd.prefill(tokens, f"p-abort-{when}")
-    pd.d.add_request({"prompt_token_ids": tokens}, greedy(3), request_id=f"abort-{when}",
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 2), (2, 1), (1, 2)])
+def test_abort_during_a_tp_load_releases_every_rank(engines: Engines, when: str, p_tp: int,
+                                                    d_tp: int) -> None:
+    """D aborts a request whose pulls (one per D rank and P rank it reads from) are in flight:
+    every pull settles, the request ends aborted, and neither instance keeps a block on any rank."""
+    pd = engines.pair("tcp", p_tp, d_tp)
+    tokens = prompt(3 * BLOCK_SIZE + 1, salt=200 + 10 * p_tp + 3 * d_tp + len(when))
+    rid = f"abort-{when}-{p_tp}{d_tp}"
+    params = pd.prefill(tokens, f"p-{rid}")
+    pd.d.add_request({"prompt_token_ids": tokens}, greedy(3), request_id=rid,
                      kv_transfer_params=params)
     pd.d.step()  # admitted: WAITING_FOR_REMOTE_KVS, the pulls are with both workers
     if when == "loading":
         pd.d.step()
-    pd.d.abort_request(f"abort-{when}")
+    pd.d.abort_request(rid)
     pd.settle(timeout_s=30)
-    assert f"abort-{when}" not in pd.d.scheduler.requests
+    assert rid not in pd.d.scheduler.requests
     assert pd.p.blocks_in_use == 0 and pd.d.blocks_in_use == 0
 
 
