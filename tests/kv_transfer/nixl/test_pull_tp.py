@@ -1,5 +1,6 @@
 """NixlConnector between tensor-parallel instances: every combination of P tp x D tp in {1, 2}, over
-TCP and NIXL, answers like a single instance, and so do tp 1 <-> 4 and a model with one KV head
+TCP and NIXL (and Mooncake where installed), answers like a single instance, and so do tp 1 <-> 4
+and a model with one KV head
 (replicated on every rank). Equal sizes pull rank to rank; a D rank of a larger instance reads its
 heads' slice of one P rank's blocks; a D rank of a smaller one reads from several P ranks; a
 replicated head is read once, and a P rank nobody reads from is told to free at once. D computes
@@ -182,30 +183,13 @@ def test_abort_during_a_tp_load_releases_every_rank(engines: Engines, when: str,
     assert pd.p.blocks_in_use == 0 and pd.d.blocks_in_use == 0
 
 
-def test_tp2_pair_pulls_rank_to_rank_over_mooncake() -> None:
-    """The Mooncake backend per rank: each of D's ranks reads its KV heads from P's same rank."""
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 2), (2, 1)])
+def test_tp_pairs_pull_over_mooncake(engines: Engines, p_tp: int, d_tp: int) -> None:
+    """The Mooncake backend per rank: rank to rank between equal sizes, head slices of both P
+    ranks into one D rank's blocks from tp 2 to tp 1."""
     from kvrelay.kv_transfer.transport.mooncake import mooncake_available
     loads, why = mooncake_available()
     if not loads:
         pytest.skip(why)
-    extra = {**EXTRA, "backend": "mooncake"}
-    p, d = (LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-                max_num_batched_tokens=256, tensor_parallel_size=2,
-                kv_transfer_config=nixl_config(role, **extra)).engine
-            for role in ("kv_producer", "kv_consumer"))
-    reference = LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
-    try:
-        prompts = {f"mc-{i}": prompt(14 + 5 * i, salt=70 + i) for i in range(2)}
-        want = {rid: out.outputs[0].token_ids for rid, out in zip(prompts, reference.generate(
-            [{"prompt_token_ids": t} for t in prompts.values()], greedy(MAX_TOKENS), use_tqdm=False),
-            strict=True)}
-        pd = PD(p, d)
-        assert pd.run(prompts, MAX_TOKENS) == want
-        stats = d.get_stats()
-        assert stats["prompt_tokens_computed"] == len(prompts) and stats["kv_load_failures"] == 0
-        pd.settle(timeout_s=30)
-        assert p.blocks_in_use == 0 and d.blocks_in_use == 0
-    finally:
-        for engine in (p, d):
-            engine.shutdown()
-        reference.shutdown()
+    prompts = {f"mc{p_tp}{d_tp}-{i}": prompt(14 + 5 * i, salt=70 + 2 * p_tp + d_tp + i) for i in range(2)}
+    _answers_like_one_instance(engines, engines.pair("mooncake", p_tp, d_tp), prompts)
