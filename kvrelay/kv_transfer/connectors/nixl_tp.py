@@ -42,6 +42,9 @@ def plan_reads(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, head_bytes:
     """The plan of D rank `d_rank` (of `d_tp`) pulling from a P of `p_tp` ranks. `num_kv_heads` is
     the model's; `head_bytes` one head's K (or V) in one block. ValueError when a size cannot
     hold the model's KV heads."""
+    if p_tp < 1 or d_tp < 1 or not 0 <= d_rank < d_tp:
+        raise ValueError(f"tensor-parallel sizes must be positive and the rank inside its group, got "
+                         f"P tp_size {p_tp}, D tp_size {d_tp}, D rank {d_rank}")
     sources = [_sources(num_kv_heads, p_tp, d_tp, d) for d in range(d_tp)]
     readers = {p: sum(1 for runs in sources if any(run[0] == p for run in runs)) for p in range(p_tp)}
     d_heads = kv_heads_of_rank(num_kv_heads, d_tp, d_rank)

@@ -60,3 +60,5 @@ def test_every_d_block_is_filled_once_and_every_p_rank_is_read_or_released(
 def test_a_size_that_cannot_hold_the_heads_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         plan_reads(2, 3, 1, 0, HB)
+    with pytest.raises(ValueError, match="P tp_size 0"):  # a malformed params' tp_size
+        plan_reads(2, 0, 1, 0, HB)
