@@ -1,10 +1,10 @@
 """NixlConnector between tensor-parallel instances: every combination of P tp x D tp in {1, 2}, over
 TCP and NIXL (and Mooncake where installed), answers like a single instance, and so do tp 1 <-> 4
-and a model with one KV head (replicated on every rank). Equal sizes pull rank to rank; a D rank of a larger instance reads its
-heads' slice of one P rank's blocks; a D rank of a smaller one reads from several P ranks; a
-replicated head is read once, and a P rank nobody reads from is told to free at once. D computes
-only the last prompt token, and every instance ends with no block in use on any rank. A failed read
-from one of several P ranks fails the request once, and D recomputes."""
+and a model with one KV head (replicated on every rank). Equal sizes pull rank to rank; a D rank
+of a larger instance reads its heads' slice of one P rank's blocks; a D rank of a smaller one reads
+from several P ranks; a replicated head is read once, and a P rank nobody reads from is told to
+free at once. D computes only the last prompt token, and every instance ends with no block in use
+on any rank. A failed read from one of several P ranks fails the request once, and D recomputes."""
 
 from __future__ import annotations
 
