@@ -24,7 +24,6 @@ import logging
 import queue
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -44,6 +43,13 @@ from kvrelay.kv_transfer.connectors.nixl_meta import (
     PullSpec,
     ReleaseRequest,
 )
+from kvrelay.kv_transfer.connectors.nixl_pull_state import (
+    LocalIdentity,
+    Peer,
+    PullResults,
+    RankPull,
+    RequestPulls,
+)
 from kvrelay.kv_transfer.connectors.nixl_tp import RankRead, plan_reads
 from kvrelay.kv_transfer.connectors.side_channel import (
     PeerThread,
@@ -51,8 +57,7 @@ from kvrelay.kv_transfer.connectors.side_channel import (
     SideChannelError,
     decode,
 )
-from kvrelay.kv_transfer.transport.base import RegionLayout, TransferHandle, TransferState
-from kvrelay.model.sharding import kv_heads_of_rank
+from kvrelay.kv_transfer.transport.base import RegionLayout, TransferState
 
 if TYPE_CHECKING:
     import torch
@@ -65,90 +70,6 @@ logger = logging.getLogger(__name__)
 _PIN_RETRY_S = (0.002, 0.005, 0.01, 0.02, 0.05)  # backoff while P has not registered the lease
 
 
-@dataclass(frozen=True)
-class LocalIdentity:
-    """What a peer must match before D reads its KV."""
-
-    engine_id: str
-    backend: str
-    block_size: int
-    fingerprint_digest: str
-    fingerprint: dict[str, Any]
-    layout: RegionLayout
-    tp_rank: int = 0
-    tp_size: int = 1
-    num_kv_heads: int = 1  # the model's (the layout holds this rank's share)
-
-    @property
-    def head_bytes(self) -> int:
-        """One KV head's K (or V) in one block of one layer."""
-        return self.layout.block_bytes // (2 * max(1, self._num_local_heads))
-
-    @property
-    def _num_local_heads(self) -> int:
-        return len(kv_heads_of_rank(self.num_kv_heads, self.tp_size, self.tp_rank))
-
-
-@dataclass
-class _Peer:
-    """One of a prefill instance's ranks (its side channel listens on kv_port + p_rank)."""
-
-    key: str  # "{engine_id}#{p_rank}": the peer table's and the transport's name for it
-    engine_id: str
-    p_rank: int
-    tp_size: int  # P's, as the params say
-    block_bytes: int  # what a block of this rank must measure
-    host: str
-    port: int
-    thread: PeerThread
-    reply: HandshakeReply | None = None  # set once the handshake succeeded
-    leases: tuple[LeaseRef, ...] = ()  # what the heartbeats keep alive (read by the peer thread)
-
-
-@dataclass
-class _Pull:
-    """A request's read from one P rank."""
-
-    spec: PullSpec
-    source: RankRead
-    peer_key: str
-    deadline: float  # time.monotonic()
-    state: str = "handshake"  # -> "pin" -> "reading" (-> "cancelling": given up, read in flight)
-    handle: TransferHandle | None = None
-    checksums: list[int] = field(default_factory=list)
-    safe_until: float = 0.0  # P promised to hold the blocks until then (monotonic)
-    read_started: float = 0.0
-    aborted: bool = False
-    failure: str = ""  # why a cancelling pull gave up
-    release_on_settle: bool = False  # a cancelled read that does not complete must release P's lease
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.spec.req_id, self.source.p_rank
-
-
-@dataclass
-class _Request:
-    """A request's pulls (one per P rank): it settles once, when all of them did."""
-
-    spec: PullSpec
-    pending: int
-    failed: bool = False
-    count_failure: bool = False  # a failure to report as one (not an abort)
-    invalid_block_ids: set[int] = field(default_factory=set)
-
-
-@dataclass
-class PullResults:
-    finished: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def count(self, key: str, value: float = 1) -> None:
-        self.stats[key] = self.stats.get(key, 0) + value
-
-
 class Puller:
     def __init__(self, transport: KVTransport, identity: LocalIdentity, config: NixlConfig,
                  channel_key: bytes, kv_layers: Sequence[torch.Tensor]) -> None:
@@ -158,9 +79,9 @@ class Puller:
         self.channel_key = channel_key
         self.kv_layers = list(kv_layers)
         self._ctx = zmq.Context()
-        self._peers: dict[str, _Peer] = {}
-        self._pulls: dict[tuple[str, int], _Pull] = {}
-        self._requests: dict[str, _Request] = {}
+        self._peers: dict[str, Peer] = {}
+        self._pulls: dict[tuple[str, int], RankPull] = {}
+        self._requests: dict[str, RequestPulls] = {}
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []  # threads of dropped peers, joined in close()
@@ -189,11 +110,11 @@ class Puller:
             for source in plan.reads:
                 self._release(self._peer_for(spec, source), spec, source.num_readers)
             return
-        self._requests[spec.req_id] = _Request(spec, pending=len(plan.reads))
+        self._requests[spec.req_id] = RequestPulls(spec, pending=len(plan.reads))
         deadline = time.monotonic() + self.config.transfer_timeout_seconds
         for source in plan.reads:
             peer = self._peer_for(spec, source)
-            pull = _Pull(spec, source, peer.key, deadline=deadline)
+            pull = RankPull(spec, source, peer.key, deadline=deadline)
             self._pulls[pull.key] = pull
             if peer.reply is not None:
                 self._pin(peer, pull)
@@ -207,7 +128,7 @@ class Puller:
             else:
                 self._fail(pull, "aborted before its read started", count=False)
 
-    def _peer_for(self, spec: PullSpec, source: RankRead) -> _Peer:
+    def _peer_for(self, spec: PullSpec, source: RankRead) -> Peer:
         # NOTE: P's rank r listens on kv_port + r.
         port = spec.remote_port + source.p_rank
         key = f"{spec.remote_engine_id}#{source.p_rank}"
@@ -218,12 +139,12 @@ class Puller:
                                   f"(tp_size {spec.remote_tp_size})")
             peer = None
         if peer is None:
-            beats: list[_Peer] = []  # NOTE: the thread needs its peer, the peer its thread
+            beats: list[Peer] = []  # NOTE: the thread needs its peer, the peer its thread
             thread = PeerThread(self._ctx, spec.remote_host, port, self.channel_key,
                                 name=f"kv-peer-{spec.remote_engine_id[:8]}-{source.p_rank}",
                                 heartbeat=lambda client: self._heartbeat_job(client, beats[0]),
                                 heartbeat_s=self.config.heartbeat_seconds)
-            peer = _Peer(key, spec.remote_engine_id, source.p_rank, spec.remote_tp_size,
+            peer = Peer(key, spec.remote_engine_id, source.p_rank, spec.remote_tp_size,
                          source.remote_block_bytes, spec.remote_host, port, thread)
             beats.append(peer)
             self._peers[key] = peer
@@ -232,7 +153,7 @@ class Puller:
 
     # ---------------------------------------------------------------- peer threads: jobs
 
-    def _handshake_job(self, client: SideChannelClient, peer: _Peer) -> None:
+    def _handshake_job(self, client: SideChannelClient, peer: Peer) -> None:
         request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id=peer.engine_id)
         try:
             reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
@@ -240,7 +161,7 @@ class Puller:
         except SideChannelError as e:
             self._events.put(("handshake", peer, None, f"handshake with {client.address} failed: {e}"))
 
-    def _pin_job(self, client: SideChannelClient, peer: _Peer, spec: PullSpec, deadline: float,
+    def _pin_job(self, client: SideChannelClient, peer: Peer, spec: PullSpec, deadline: float,
                  ranges: list[tuple[int, int]]) -> None:
         request = PinRequest(request_id=spec.remote_request_id, lease_id=spec.lease_id,
                              block_ids=spec.remote_block_ids, prompt_digest=spec.prompt_digest,
@@ -261,7 +182,7 @@ class Puller:
             time.sleep(_PIN_RETRY_S[min(attempt, len(_PIN_RETRY_S) - 1)])
             attempt += 1
 
-    def _heartbeat_job(self, client: SideChannelClient, peer: _Peer) -> None:
+    def _heartbeat_job(self, client: SideChannelClient, peer: Peer) -> None:
         leases = peer.leases
         if not leases or peer.reply is None:
             return
@@ -309,7 +230,7 @@ class Puller:
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, peer: _Peer, reply: HandshakeReply | None, error: str | None) -> None:
+    def _on_handshake(self, peer: Peer, reply: HandshakeReply | None, error: str | None) -> None:
         if self._peers.get(peer.key) is not peer:
             return  # a peer dropped meanwhile
         if reply is not None and error is None:
@@ -333,7 +254,7 @@ class Puller:
             if pull.peer_key == peer.key and pull.state == "handshake":
                 self._pin(peer, pull)
 
-    def _incompatibility(self, peer: _Peer, reply: HandshakeReply) -> str | None:
+    def _incompatibility(self, peer: Peer, reply: HandshakeReply) -> str | None:
         me = self.identity
         where = f"the KV side channel at {peer.host}:{peer.port}"
         if reply.transfer_mode != "pull":
@@ -362,7 +283,7 @@ class Puller:
             return f"{where} has an incompatible KV layout ({text}); configure both instances alike"
         return None
 
-    def _pin(self, peer: _Peer, pull: _Pull) -> None:
+    def _pin(self, peer: Peer, pull: RankPull) -> None:
         assert peer.reply is not None
         out_of_range = [b for b in pull.spec.remote_block_ids if b >= peer.reply.num_blocks]
         if out_of_range:
@@ -375,7 +296,7 @@ class Puller:
         ranges = [(r.remote_offset, r.length) for r in pull.source.ranges or ()]
         peer.thread.submit(lambda client: self._pin_job(client, peer, spec, deadline, ranges))
 
-    def _on_pin(self, peer: _Peer, key: tuple[str, int], status: LeaseStatus | None, error: str | None,
+    def _on_pin(self, peer: Peer, key: tuple[str, int], status: LeaseStatus | None, error: str | None,
                 sent_at: float, sender: str) -> None:
         if self._peers.get(peer.key) is not peer:
             return  # asked a peer that was dropped since (its pulls were failed or moved)
@@ -396,7 +317,7 @@ class Puller:
         self._keep_safe(pull, sent_at, status.remaining_s)
         self._start_read(pull)
 
-    def _on_heartbeat(self, peer: _Peer, statuses: list[LeaseStatus], sent_at: float, sender: str) -> None:
+    def _on_heartbeat(self, peer: Peer, statuses: list[LeaseStatus], sent_at: float, sender: str) -> None:
         if self._peers.get(peer.key) is not peer or not self._same_instance(peer, sender):
             return
         by_remote_id = {p.spec.remote_request_id: p for p in self._pulls.values() if p.peer_key == peer.key}
@@ -409,7 +330,7 @@ class Puller:
             elif pull.state in ("handshake", "pin"):
                 self._fail(pull, f"its lease on engine {peer.engine_id} ended: {status.error}", release=False)
 
-    def _same_instance(self, peer: _Peer, sender: str) -> bool:
+    def _same_instance(self, peer: Peer, sender: str) -> bool:
         """False (and every pull from the peer failed) when P restarted since the handshake."""
         if peer.reply is None or sender == peer.reply.instance_id:
             return True
@@ -417,13 +338,13 @@ class Puller:
         return False
 
     @staticmethod
-    def _keep_safe(pull: _Pull, sent_at: float, remaining_s: float) -> None:
+    def _keep_safe(pull: RankPull, sent_at: float, remaining_s: float) -> None:
         # NOTE: measured from before the question was sent, minus a margin for the step that
         # notices: P holds the blocks at least this long.
         margin = max(0.25, 0.05 * remaining_s)
         pull.safe_until = max(pull.safe_until, sent_at + remaining_s - margin)
 
-    def _start_read(self, pull: _Pull) -> None:
+    def _start_read(self, pull: RankPull) -> None:
         spec = pull.spec
         notification = f"{spec.remote_request_id}:{pull.source.num_readers}".encode()
         try:
@@ -436,7 +357,7 @@ class Puller:
         pull.state = "reading"
         pull.read_started = time.monotonic()
 
-    def _check_read(self, pull: _Pull, now: float) -> None:
+    def _check_read(self, pull: RankPull, now: float) -> None:
         assert pull.handle is not None
         state = pull.handle.poll()
         if state == TransferState.DONE:
@@ -449,7 +370,7 @@ class Puller:
         elif now >= pull.safe_until:
             self._fail(pull, "its lease could not be kept alive (heartbeats unanswered)", stat="timeouts")
 
-    def _complete(self, pull: _Pull) -> None:
+    def _complete(self, pull: RankPull) -> None:
         spec = pull.spec
         assert pull.handle is not None
         pull.handle.release()
@@ -471,7 +392,7 @@ class Puller:
                 request.invalid_block_ids.update(bad)
         self._settle(pull, failed=False, count=False)
 
-    def _settle(self, pull: _Pull, failed: bool, count: bool) -> None:
+    def _settle(self, pull: RankPull, failed: bool, count: bool) -> None:
         """One of a request's pulls ended; report the request when it was the last."""
         request = self._requests[pull.spec.req_id]
         request.pending -= 1
@@ -500,7 +421,7 @@ class Puller:
 
     # ---------------------------------------------------------------- endings
 
-    def _fail(self, pull: _Pull, reason: str, release: bool = True, count: bool = True,
+    def _fail(self, pull: RankPull, reason: str, release: bool = True, count: bool = True,
               stat: str | None = None) -> None:
         """End a pull unsuccessfully. A read still in flight is cancelled first: the failure is
         reported only once the transport says it settled, so no byte lands in a block the
@@ -522,7 +443,7 @@ class Puller:
             self._release_pull(pull)
         self._report_failed(pull, reason, count)
 
-    def _check_cancelled(self, pull: _Pull, now: float) -> None:
+    def _check_cancelled(self, pull: RankPull, now: float) -> None:
         assert pull.handle is not None
         state = pull.handle.poll()
         if state == TransferState.PENDING:
@@ -534,7 +455,7 @@ class Puller:
             self._release_pull(pull)
         self._report_failed(pull, pull.failure, count=not pull.aborted)
 
-    def _report_failed(self, pull: _Pull, reason: str, count: bool) -> None:
+    def _report_failed(self, pull: RankPull, reason: str, count: bool) -> None:
         if pull.handle is not None:
             pull.handle.release()
         del self._pulls[pull.key]
@@ -548,15 +469,15 @@ class Puller:
         self._results.count("load_failures")
         self._results.failed.add(req_id)
 
-    def _release(self, peer: _Peer, spec: PullSpec, num_consumers: int) -> None:
+    def _release(self, peer: Peer, spec: PullSpec, num_consumers: int) -> None:
         peer.thread.submit(lambda client: self._release_job(client, spec, num_consumers))
 
-    def _release_pull(self, pull: _Pull) -> None:
+    def _release_pull(self, pull: RankPull) -> None:
         peer = self._peers.get(pull.peer_key)
         if peer is not None:
             self._release(peer, pull.spec, pull.source.num_readers)
 
-    def _drop_peer(self, peer: _Peer, reason: str, retry: bool = False) -> None:
+    def _drop_peer(self, peer: Peer, reason: str, retry: bool = False) -> None:
         """Forget a peer. Its pulls fail, or with `retry` (it restarted) the ones that did not
         start reading go through a fresh handshake: their leases decide whether they survived."""
         if self._peers.get(peer.key) is peer:

@@ -14,14 +14,17 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_leases import LeaseTable
 from kvrelay.kv_transfer.connectors.nixl_meta import (
+    LEASE_REFUSED,
     HandshakeReply,
     HeartbeatRequest,
+    LeaseStatus,
     LeaseStatuses,
     NixlConnectorMetadata,
     PinRequest,
     ReleaseRequest,
 )
-from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, Puller
+from kvrelay.kv_transfer.connectors.nixl_pull import Puller
+from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
 from kvrelay.kv_transfer.connectors.side_channel import SideChannelServer, decode
 from kvrelay.outputs import KVConnectorOutput
 
@@ -151,8 +154,15 @@ class NixlWorker:
             tp_rank=self.kv_spec.tp_rank)
 
     def _on_pin(self, body: bytes) -> tuple[str, msgspec.Struct]:
-        assert self.leases is not None
-        return "lease", self.leases.pin(decode(body, PinRequest))
+        assert self.leases is not None and self.layout is not None
+        request = decode(body, PinRequest)
+        block_bytes = self.layout.block_bytes
+        outside = [r for r in request.ranges if r[0] < 0 or r[1] <= 0 or r[0] + r[1] > block_bytes]
+        if outside:
+            return "lease", LeaseStatus(request_id=request.request_id, state=LEASE_REFUSED,
+                                        error=f"byte ranges {outside[:4]} fall outside a block of "
+                                              f"{block_bytes} bytes")
+        return "lease", self.leases.pin(request)
 
     def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.leases is not None

@@ -18,7 +18,7 @@ from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.kv_transfer.connectors import nixl_pull
 from kvrelay.kv_transfer.transport import nixl_available
 from kvrelay.kv_transfer.transport.base import FinishedTransfer
-from tests.kv_transfer.nixl.pd import BLOCK_SIZE, NUM_BLOCKS, PD, greedy, nixl_config, prompt
+from tests.kv_transfer.nixl.pd import BLOCK_SIZE, NUM_BLOCKS, PD, free_ports, greedy, nixl_config, prompt
 from tests.tiny import tiny_loaded_model
 
 MAX_TOKENS = 5
@@ -39,7 +39,8 @@ class Engines:
             self.built[key] = LLM(
                 loaded_model=tiny_loaded_model(num_key_value_heads=kv_heads), block_size=BLOCK_SIZE,
                 num_blocks=NUM_BLOCKS, max_num_batched_tokens=256, tensor_parallel_size=tp,
-                kv_transfer_config=nixl_config(role, **{**EXTRA, "backend": backend})).engine
+                kv_transfer_config=nixl_config(role, port=free_ports(tp),
+                                               **{**EXTRA, "backend": backend})).engine
         return self.built[key]
 
     def pair(self, backend: str, p_tp: int, d_tp: int, kv_heads: int = 2) -> PD:
