@@ -16,6 +16,7 @@ whose rank is the P rank's modulo D's size) to release its blocks, so it frees t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvrelay.kv_transfer.transport.base import ByteRange
@@ -38,6 +39,7 @@ class ReadPlan:
     releases: tuple[RankRead, ...]  # P ranks nobody reads from that this D rank tells to free
 
 
+@functools.cache  # NOTE: a handful of distinct arguments per instance; asked once per request
 def plan_reads(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, head_bytes: int) -> ReadPlan:
     """The plan of D rank `d_rank` (of `d_tp`) pulling from a P of `p_tp` ranks. `num_kv_heads` is
     the model's; `head_bytes` one head's K (or V) in one block. ValueError when a size cannot
