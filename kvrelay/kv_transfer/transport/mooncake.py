@@ -6,7 +6,9 @@ other's registered buffers over the engine's own RPC port; no metadata server) a
 `tcp`, or `rdma` where the fabric has devices. Every layer's KV tensor is registered once, so a
 read is a list of (local address, remote address, length) triples: block b of layer l sits at
 base_address(l) + b * block_bytes on both sides, and adjacent block ids on both sides fold into
-one triple. Batches are cut at `max_batch_entries` (the engine refuses a batch of 4096).
+one triple. A read by byte ranges (a KV-head slice between TP sizes that differ) is one triple
+per (layer, block, range). Batches are cut at `max_batch_entries` (the engine refuses a batch of
+4096).
 
 Reads run on one thread here (`batch_transfer_sync_read` releases the GIL), so `read_blocks`
 returns at once and the handle is polled. Once a read's bytes sit in D's blocks, D sends the
