@@ -223,8 +223,8 @@ def _gather_ranges(kv: torch.Tensor, block_ids: Sequence[int],
     import torch
 
     raw = kv.reshape(kv.shape[0], -1).view(torch.uint8)  # [num_blocks, block_bytes]
-    picked = raw[torch.tensor(list(block_ids), device=kv.device)]  # [n, block_bytes]
-    return torch.cat([picked[:, offset:offset + length] for offset, length in ranges], dim=1)
+    ids = torch.tensor(list(block_ids), device=kv.device)  # [n]
+    return torch.cat([raw[ids, offset:offset + length] for offset, length in ranges], dim=1)  # [n, sum]
 
 
 def _word_sums(blocks: torch.Tensor) -> torch.Tensor:
