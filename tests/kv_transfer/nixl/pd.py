@@ -3,7 +3,6 @@ both in one thread (their side-channel and peer threads run beside it)."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
@@ -26,22 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def free_ports(count: int) -> int:
-    """A port p with p .. p + count - 1 all free now: a tensor-parallel instance's side channels
-    bind kv_port + rank for each of its ranks."""
-    for _ in range(100):
-        first = free_port()
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(first, first + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError(f"found no {count} consecutive free ports")
 
 
 def nixl_config(role: str, port: int | None = None, policy: str = "recompute",

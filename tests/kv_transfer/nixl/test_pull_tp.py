@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
+from kvrelay.disagg.launcher import free_port_run
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.kv_transfer.connectors import nixl_pull
 from kvrelay.kv_transfer.transport import nixl_available
 from kvrelay.kv_transfer.transport.base import FinishedTransfer
-from tests.kv_transfer.nixl.pd import BLOCK_SIZE, NUM_BLOCKS, PD, free_ports, greedy, nixl_config, prompt
+from tests.kv_transfer.nixl.pd import BLOCK_SIZE, NUM_BLOCKS, PD, greedy, nixl_config, prompt
 from tests.tiny import tiny_loaded_model
 
 MAX_TOKENS = 5
@@ -39,7 +40,7 @@ class Engines:
             self.built[key] = LLM(
                 loaded_model=tiny_loaded_model(num_key_value_heads=kv_heads), block_size=BLOCK_SIZE,
                 num_blocks=NUM_BLOCKS, max_num_batched_tokens=256, tensor_parallel_size=tp,
-                kv_transfer_config=nixl_config(role, port=free_ports(tp),
+                kv_transfer_config=nixl_config(role, port=free_port_run("127.0.0.1", tp),
                                                **{**EXTRA, "backend": backend})).engine
         return self.built[key]
 
