@@ -32,12 +32,9 @@ class LocalIdentity:
 
     @property
     def head_bytes(self) -> int:
-        """One KV head's K (or V) in one block of one layer."""
-        return self.layout.block_bytes // (2 * max(1, self._num_local_heads))
-
-    @property
-    def _num_local_heads(self) -> int:
-        return len(kv_heads_of_rank(self.num_kv_heads, self.tp_size, self.tp_rank))
+        """One KV head's K (or V) in one block of one layer (a block is [2, H_shard, bs, D])."""
+        num_local_heads = len(kv_heads_of_rank(self.num_kv_heads, self.tp_size, self.tp_rank))
+        return self.layout.block_bytes // (2 * num_local_heads)
 
 
 @dataclass
