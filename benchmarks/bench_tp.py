@@ -14,8 +14,10 @@ Rows:
    two ranks cannot split, so rows 2 and 3 run a random model of SmolLM2's size and shape with 8
    heads (head_dim 72) and 2 KV heads;
 3. P/D TTFT (prefill leg + first decode token, NixlConnector over TCP, both engines stepped by
-   one thread) for P tp 2 -> D tp 2 against 1 -> 1. Unequal sizes (1 -> 2, 2 -> 1) are refused
-   by the connector today (see the issue's note), so they have no row.
+   one thread) for P tp 2 -> D tp 2, P tp 1 -> D tp 2 (each D rank reads its KV heads' slice of
+   P's blocks) and P tp 2 -> D tp 1 (D reads from both P ranks), each against 1 -> 1. Four
+   engines (P and D at tp 1 and 2) serve every pair; each request has a fresh prompt, so no
+   prefix-cache hit on either side, and the run checks that no pull failed (D recomputed nothing).
 
 Repetitions alternate between the measured engine and its baseline; medians are reported. The
 machine may be shared with other jobs: the ratios are what to read, not the absolute numbers.
@@ -196,28 +198,35 @@ def pd_ttft(p: LLMEngine, d: LLMEngine, token_ids: list[int], rid: str) -> float
             return time.perf_counter() - start
 
 
+PD_PAIRS = ((1, 1), (2, 2), (1, 2), (2, 1))  # (P tp, D tp); 1 -> 1 is the baseline
+
+
 def bench_pd_ttft(reps: int) -> list[str]:
-    pairs = {"1->1": (pd_engine("kv_producer", 1), pd_engine("kv_consumer", 1)),
-             "2->2": (pd_engine("kv_producer", 2), pd_engine("kv_consumer", 2))}
+    producers = {tp: pd_engine("kv_producer", tp) for tp in (1, 2)}
+    consumers = {tp: pd_engine("kv_consumer", tp) for tp in (1, 2)}
     rng = random.Random(11)
-    samples: dict[str, list[float]] = {name: [] for name in pairs}
+    samples: dict[tuple[int, int], list[float]] = {pair: [] for pair in PD_PAIRS}
     try:
         for rep in range(reps + 1):
-            token_ids = prompt(rng, 256)
-            for name, (p, d) in pairs.items():
-                ttft = pd_ttft(p, d, token_ids, f"r{rep}")
+            for p_tp, d_tp in PD_PAIRS:
+                token_ids = prompt(rng, 256)  # fresh per pair: the engines are shared
+                ttft = pd_ttft(producers[p_tp], consumers[d_tp], token_ids, f"r{rep}-{p_tp}{d_tp}")
                 if rep:  # the first one warms the connections
-                    samples[name].append(ttft)
-        for p, d in pairs.values():
-            for engine in (p, d):
-                engine.run_until_idle(timeout_s=120)
-        m11, m22 = statistics.median(samples["1->1"]), statistics.median(samples["2->2"])
-        return [f"P/D TTFT, 256-token prompt | P tp 2 -> D tp 2 {m22 * 1e3:.0f} ms | "
-                f"P tp 1 -> D tp 1 {m11 * 1e3:.0f} ms | x{m11 / m22:.2f}"]
+                    samples[(p_tp, d_tp)].append(ttft)
+        for engine in (*producers.values(), *consumers.values()):
+            engine.run_until_idle(timeout_s=120)
+        failures = sum(int(d.get_stats()["kv_load_failures"]) for d in consumers.values())
+        if failures:
+            raise RuntimeError(f"{failures} pulls failed and were recomputed: the TTFT rows would not "
+                               "measure pulls")
+        medians = {pair: statistics.median(values) for pair, values in samples.items()}
+        base = medians[(1, 1)]
+        return [f"P/D TTFT, 256-token prompt | P tp {p} -> D tp {d} {medians[(p, d)] * 1e3:.0f} ms | "
+                f"P tp 1 -> D tp 1 {base * 1e3:.0f} ms | x{base / medians[(p, d)]:.2f}"
+                for p, d in PD_PAIRS[1:]]
     finally:
-        for p, d in pairs.values():
-            p.shutdown()
-            d.shutdown()
+        for engine in (*producers.values(), *consumers.values()):
+            engine.shutdown()
 
 
 def main() -> None:

@@ -59,17 +59,26 @@ def shard_layout(spec: ModelSpec, rank: int, size: int) -> ShardLayout:
         raise ValueError(f"tensor-parallel rank {rank} is outside a group of size {size}")
     q_per_rank = spec.num_heads // size
     kv = spec.num_kv_heads
-    if kv % size == 0:
-        kv_per_rank = kv // size
-        kv_heads = range(rank * kv_per_rank, (rank + 1) * kv_per_rank)
-    else:  # replicated: ranks [j * size/kv, (j+1) * size/kv) share KV head j
-        head = rank // (size // kv)
-        kv_heads = range(head, head + 1)
+    kv_heads = kv_heads_of_rank(kv, size, rank)
     inter = spec.intermediate_size // size
     return ShardLayout(rank=rank, size=size,
                        q_heads=range(rank * q_per_rank, (rank + 1) * q_per_rank),
                        kv_heads=kv_heads, intermediate=range(rank * inter, (rank + 1) * inter),
                        kv_replicated=kv % size != 0)
+
+
+def kv_heads_of_rank(num_kv_heads: int, size: int, rank: int) -> range:
+    """The KV heads rank `rank` of `size` holds: a contiguous share when `num_kv_heads % size == 0`,
+    else (replicated, `size % num_kv_heads == 0`) the one head its query heads read; ranks
+    [j * size/num_kv_heads, (j+1) * size/num_kv_heads) share head j. ValueError otherwise."""
+    if num_kv_heads % size == 0:
+        per_rank = num_kv_heads // size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    if size % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads can be neither split nor replicated over "
+                         f"tensor_parallel_size={size}")
+    head = rank // (size // num_kv_heads)
+    return range(head, head + 1)
 
 
 def shard_spec(spec: ModelSpec, layout: ShardLayout) -> ModelSpec:

@@ -44,13 +44,21 @@ timestamp and nonce, replies bound to the request's nonce; see side_channel.py):
                                    block size, model fingerprint, lease seconds; once per P
     pin        -> lease            before reading: P checks lease id, prompt digest and block ids
                                    against its lease, extends it, returns per-block checksums
+                                   (over the byte ranges D reads, when it reads a head slice)
     heartbeat  -> leases           every heartbeat_seconds for the leases D still waits on
     release    -> lease            D will not read (aborted, gave up, full local prefix hit):
                                    counts as one consumer done
 
-A completed read carries the notification `"{remote_request_id}:1"`; P frees a lease once all
-its consumers are done, or when it expires (stat `lease_expired`). D never reads after the time
+A completed read carries the notification `"{remote_request_id}:{n}"`, n the number of D ranks
+that read from that P rank; P frees a lease once all its consumers are done, or when it expires
+(stat `lease_expired`). D never reads after the time
 P last promised to hold the blocks (see nixl_leases.py), so it never reads a reused block.
+
+Tensor parallelism: every rank runs this connector; P's rank r serves its side channel on
+kv_port + r. The TP sizes of P and D may differ (nixl_tp.py): each D rank reads its KV heads'
+byte ranges of each block from the P ranks holding them, a replicated head from one replica, and
+tells the P ranks nobody reads from to release; a request's load ends once, after every one of
+its reads settled.
 
 Refused params (unsigned, forged, for another prompt, expired, malformed, naming blocks outside
 P's pool, non-loopback without a secret) still claim the tokens, then fail at once: the failure

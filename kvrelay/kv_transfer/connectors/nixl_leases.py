@@ -49,7 +49,7 @@ class _Lease:
 
 class LeaseTable:
     def __init__(self, lease_seconds: float,
-                 checksum_fn: Callable[[Sequence[int]], list[int]]) -> None:
+                 checksum_fn: Callable[[Sequence[int], Sequence[tuple[int, int]] | None], list[int]]) -> None:
         self.lease_seconds = lease_seconds
         self._checksum_fn = checksum_fn
         self._started_ms = int(time.time() * 1000)
@@ -69,7 +69,7 @@ class LeaseTable:
         # NOTE: the blocks no longer change once the request finished, so their checksums are
         # taken now, while D is still on its way: a pin then answers without reading the KV.
         block_ids = list(spec.block_ids)
-        checksums = dict(zip(block_ids, self._checksum_fn(block_ids), strict=True))
+        checksums = dict(zip(block_ids, self._checksum_fn(block_ids, None), strict=True))
         with self._lock:
             lease = _Lease(spec, expires, checksums=checksums)
             self._leases[spec.req_id] = lease
@@ -136,9 +136,11 @@ class LeaseTable:
             remaining = self._extend(lease)
             known = lease.checksums
         checksums: list[int] = []
-        if request.want_checksums:
+        if request.want_checksums and request.ranges:  # a head slice: over the bytes D reads
+            checksums = self._checksum_fn(request.block_ids, request.ranges)
+        elif request.want_checksums:
             checksums = ([known[b] for b in request.block_ids] if known is not None
-                         else self._checksum_fn(request.block_ids))
+                         else self._checksum_fn(request.block_ids, None))
         return LeaseStatus(request_id=request.request_id, state=LEASE_ALIVE, remaining_s=remaining,
                            checksums=checksums)
 

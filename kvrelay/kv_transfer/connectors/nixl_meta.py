@@ -87,6 +87,9 @@ class PinRequest(msgspec.Struct, kw_only=True):
     block_ids: list[int]
     prompt_digest: bytes
     want_checksums: bool
+    # The (offset, length) byte ranges of each block D reads (a KV-head slice, between TP sizes
+    # that differ); the checksums then cover those bytes only. Empty: whole blocks.
+    ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 class LeaseRef(msgspec.Struct, array_like=True):
@@ -117,7 +120,7 @@ class LeaseStatus(msgspec.Struct, kw_only=True):
     request_id: str
     state: str
     remaining_s: float = 0.0
-    checksums: list[int] = msgspec.field(default_factory=list)  # per pinned block, in order
+    checksums: list[int] = msgspec.field(default_factory=list)  # per pinned block (or its ranges), in order
     error: str = ""
 
 

@@ -1,8 +1,9 @@
-"""D's pulls: handshake with each prefill instance, pin the lease, read, verify, report.
+"""D's pulls: handshake with each prefill rank, pin the lease, read, verify, report.
 
-One pull per request, driven by the engine thread (`start`, `abort`, `poll`); everything that
-waits on the network runs on one `PeerThread` per prefill instance, which posts its results to
-a queue the engine thread drains. A pull moves through
+One pull per request and P rank it reads from (nixl_tp.py: one between equal TP sizes, several
+when this rank's KV heads live on several of P's ranks), driven by the engine thread (`start`,
+`abort`, `poll`); everything that waits on the network runs on one `PeerThread` per P rank,
+which posts its results to a queue the engine thread drains. A pull moves through
 
     handshake (until its peer answered)  ->  pin (P checks and extends the lease, sends the
     blocks' checksums)  ->  reading (transport)  ->  finished_recving, or failed_recving
@@ -11,6 +12,9 @@ and any failure on the way (refused params, handshake refused or timed out, mism
 lease gone, transfer error, deadline, checksum mismatch, P restarted) ends in failed_recving or
 invalid blocks, after which the scheduler applies the failure policy. When a pull ends without a
 read, P is told with a release, so it frees the blocks without waiting for the lease to expire.
+A request settles once, when every one of its pulls did: finished when all of them finished,
+failed (once) when any failed; the first failure gives up the siblings that have not started
+reading, and a read in flight is waited for.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import logging
 import queue
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -40,13 +43,21 @@ from kvrelay.kv_transfer.connectors.nixl_meta import (
     PullSpec,
     ReleaseRequest,
 )
+from kvrelay.kv_transfer.connectors.nixl_pull_state import (
+    LocalIdentity,
+    Peer,
+    PullResults,
+    RankPull,
+    RequestPulls,
+)
+from kvrelay.kv_transfer.connectors.nixl_tp import RankRead, plan_reads
 from kvrelay.kv_transfer.connectors.side_channel import (
     PeerThread,
     SideChannelClient,
     SideChannelError,
     decode,
 )
-from kvrelay.kv_transfer.transport.base import RegionLayout, TransferHandle, TransferState
+from kvrelay.kv_transfer.transport.base import RegionLayout, TransferState
 
 if TYPE_CHECKING:
     import torch
@@ -59,54 +70,6 @@ logger = logging.getLogger(__name__)
 _PIN_RETRY_S = (0.002, 0.005, 0.01, 0.02, 0.05)  # backoff while P has not registered the lease
 
 
-@dataclass(frozen=True)
-class LocalIdentity:
-    """What a peer must match before D reads its KV."""
-
-    engine_id: str
-    backend: str
-    block_size: int
-    fingerprint_digest: str
-    fingerprint: dict[str, Any]
-    layout: RegionLayout
-    tp_rank: int = 0
-    tp_size: int = 1
-
-
-@dataclass
-class _Peer:
-    engine_id: str
-    host: str
-    port: int
-    thread: PeerThread
-    reply: HandshakeReply | None = None  # set once the handshake succeeded
-    leases: tuple[LeaseRef, ...] = ()  # what the heartbeats keep alive (read by the peer thread)
-
-
-@dataclass
-class _Pull:
-    spec: PullSpec
-    deadline: float  # time.monotonic()
-    state: str = "handshake"  # -> "pin" -> "reading" (-> "cancelling": given up, read in flight)
-    handle: TransferHandle | None = None
-    checksums: list[int] = field(default_factory=list)
-    safe_until: float = 0.0  # P promised to hold the blocks until then (monotonic)
-    read_started: float = 0.0
-    aborted: bool = False
-    failure: str = ""  # why a cancelling pull gave up
-
-
-@dataclass
-class PullResults:
-    finished: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def count(self, key: str, value: float = 1) -> None:
-        self.stats[key] = self.stats.get(key, 0) + value
-
-
 class Puller:
     def __init__(self, transport: KVTransport, identity: LocalIdentity, config: NixlConfig,
                  channel_key: bytes, kv_layers: Sequence[torch.Tensor]) -> None:
@@ -116,8 +79,9 @@ class Puller:
         self.channel_key = channel_key
         self.kv_layers = list(kv_layers)
         self._ctx = zmq.Context()
-        self._peers: dict[str, _Peer] = {}
-        self._pulls: dict[str, _Pull] = {}
+        self._peers: dict[str, Peer] = {}
+        self._pulls: dict[tuple[str, int], RankPull] = {}
+        self._requests: dict[str, RequestPulls] = {}
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []  # threads of dropped peers, joined in close()
@@ -132,54 +96,64 @@ class Puller:
             self._results.count("params_rejected")
             self._fail_now(spec.req_id, f"refused its kv_transfer_params: {spec.rejected}")
             return
-        if spec.remote_tp_size != self.identity.tp_size:
+        me = self.identity
+        try:
+            plan = plan_reads(me.num_kv_heads, spec.remote_tp_size, me.tp_size, me.tp_rank, me.head_bytes)
+        except ValueError as e:
             self._results.count("tp_mismatch")
             self._fail_now(spec.req_id, f"comes from a prefill instance with tp_size {spec.remote_tp_size}, "
-                           f"this decode instance has tp_size {self.identity.tp_size}: NixlConnector "
-                           "pairs equal tensor-parallel sizes only")
+                           f"which this decode instance (tp_size {me.tp_size}) cannot pair with: {e}")
             return
-        peer = self._peer_for(spec)
+        for source in plan.releases:  # P ranks nobody reads from: they may free at once
+            self._release(self._peer_for(spec, source), spec, source.num_readers)
         if spec.notify_only:  # a full local hit: nothing to read, P may free the blocks
-            self._release(peer, spec)
+            for source in plan.reads:
+                self._release(self._peer_for(spec, source), spec, source.num_readers)
             return
-        pull = _Pull(spec, deadline=time.monotonic() + self.config.transfer_timeout_seconds)
-        self._pulls[spec.req_id] = pull
-        if peer.reply is not None:
-            self._pin(peer, pull)
+        self._requests[spec.req_id] = RequestPulls(spec, pending=len(plan.reads))
+        deadline = time.monotonic() + self.config.transfer_timeout_seconds
+        for source in plan.reads:
+            peer = self._peer_for(spec, source)
+            pull = RankPull(spec, source, peer.key, deadline=deadline)
+            self._pulls[pull.key] = pull
+            if peer.reply is not None:
+                self._pin(peer, pull)
 
     def abort(self, req_id: str) -> None:
         """The request finished while loading. A read in flight completes (its blocks are freed
         once it settled); anything earlier ends now and P is told."""
-        pull = self._pulls.get(req_id)
-        if pull is None:
-            return
-        if pull.state in ("reading", "cancelling"):
-            pull.aborted = True
-            return
-        self._fail(pull, "aborted before its read started", count=False)
+        for pull in [p for p in self._pulls.values() if p.spec.req_id == req_id]:
+            if pull.state in ("reading", "cancelling"):
+                pull.aborted = True
+            else:
+                self._fail(pull, "aborted before its read started", count=False)
 
-    def _peer_for(self, spec: PullSpec) -> _Peer:
-        # NOTE: P's rank r listens on kv_port + r; this rank reads the same rank's shard.
-        port = spec.remote_port + self.identity.tp_rank
-        peer = self._peers.get(spec.remote_engine_id)
-        if peer is not None and (peer.host, peer.port) != (spec.remote_host, port):
-            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{port}")
+    def _peer_for(self, spec: PullSpec, source: RankRead) -> Peer:
+        # NOTE: P's rank r listens on kv_port + r.
+        port = spec.remote_port + source.p_rank
+        key = f"{spec.remote_engine_id}#{source.p_rank}"
+        peer = self._peers.get(key)
+        if peer is not None and (peer.host, peer.port, peer.tp_size) != (spec.remote_host, port,
+                                                                         spec.remote_tp_size):
+            self._drop_peer(peer, f"engine {peer.engine_id} moved to {spec.remote_host}:{port} "
+                                  f"(tp_size {spec.remote_tp_size})")
             peer = None
         if peer is None:
-            beats: list[_Peer] = []  # NOTE: the thread needs its peer, the peer its thread
+            beats: list[Peer] = []  # NOTE: the thread needs its peer, the peer its thread
             thread = PeerThread(self._ctx, spec.remote_host, port, self.channel_key,
-                                name=f"kv-peer-{spec.remote_engine_id[:8]}",
+                                name=f"kv-peer-{spec.remote_engine_id[:8]}-{source.p_rank}",
                                 heartbeat=lambda client: self._heartbeat_job(client, beats[0]),
                                 heartbeat_s=self.config.heartbeat_seconds)
-            peer = _Peer(spec.remote_engine_id, spec.remote_host, port, thread)
+            peer = Peer(key, spec.remote_engine_id, source.p_rank, spec.remote_tp_size,
+                         source.remote_block_bytes, spec.remote_host, port, thread)
             beats.append(peer)
-            self._peers[spec.remote_engine_id] = peer
+            self._peers[key] = peer
             thread.submit(functools.partial(self._handshake_job, peer=peer))
         return peer
 
     # ---------------------------------------------------------------- peer threads: jobs
 
-    def _handshake_job(self, client: SideChannelClient, peer: _Peer) -> None:
+    def _handshake_job(self, client: SideChannelClient, peer: Peer) -> None:
         request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id=peer.engine_id)
         try:
             reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
@@ -187,26 +161,28 @@ class Puller:
         except SideChannelError as e:
             self._events.put(("handshake", peer, None, f"handshake with {client.address} failed: {e}"))
 
-    def _pin_job(self, client: SideChannelClient, peer: _Peer, spec: PullSpec, deadline: float) -> None:
+    def _pin_job(self, client: SideChannelClient, peer: Peer, spec: PullSpec, deadline: float,
+                 ranges: list[tuple[int, int]]) -> None:
         request = PinRequest(request_id=spec.remote_request_id, lease_id=spec.lease_id,
                              block_ids=spec.remote_block_ids, prompt_digest=spec.prompt_digest,
-                             want_checksums=self.config.verify_checksum)
+                             want_checksums=self.config.verify_checksum, ranges=ranges)
+        key = (spec.req_id, peer.p_rank)
         attempt = 0
         while True:
             sent_at = time.monotonic()
             try:
                 reply = client.call("pin", request, max(0.0, deadline - sent_at))
             except SideChannelError as e:
-                self._events.put(("pin", peer, spec.req_id, None, f"pin failed: {e}", sent_at, ""))
+                self._events.put(("pin", peer, key, None, f"pin failed: {e}", sent_at, ""))
                 return
             status: LeaseStatus = decode(reply.body, LeaseStatus)
             if status.state != LEASE_PENDING or time.monotonic() >= deadline or client.stop.is_set():
-                self._events.put(("pin", peer, spec.req_id, status, None, sent_at, reply.sender))
+                self._events.put(("pin", peer, key, status, None, sent_at, reply.sender))
                 return
             time.sleep(_PIN_RETRY_S[min(attempt, len(_PIN_RETRY_S) - 1)])
             attempt += 1
 
-    def _heartbeat_job(self, client: SideChannelClient, peer: _Peer) -> None:
+    def _heartbeat_job(self, client: SideChannelClient, peer: Peer) -> None:
         leases = peer.leases
         if not leases or peer.reply is None:
             return
@@ -221,10 +197,10 @@ class Puller:
         self._events.put(("heartbeat", peer, statuses, sent_at, reply.sender))
 
     @staticmethod
-    def _release_job(client: SideChannelClient, spec: PullSpec) -> None:
+    def _release_job(client: SideChannelClient, spec: PullSpec, num_consumers: int) -> None:
         try:
-            client.call("release", ReleaseRequest(request_id=spec.remote_request_id, lease_id=spec.lease_id),
-                        timeout_s=2.0)
+            client.call("release", ReleaseRequest(request_id=spec.remote_request_id, lease_id=spec.lease_id,
+                                                  num_consumers=num_consumers), timeout_s=2.0)
         except SideChannelError as e:
             logger.info("NixlConnector: release of %s failed (its lease will expire): %s",
                         spec.remote_request_id, e)
@@ -249,21 +225,20 @@ class Puller:
                 self._fail(pull, f"gave up after {self.config.transfer_timeout_seconds:.1f} s "
                                  f"(still in the {pull.state} stage)", stat="timeouts")
         for peer in self._peers.values():
-            peer.leases = tuple(LeaseRef(p.spec.remote_request_id, p.spec.lease_id)
-                                for p in self._pulls.values()
-                                if p.spec.remote_engine_id == peer.engine_id and p.state != "cancelling")
+            held = [p for p in self._pulls.values() if p.peer_key == peer.key and p.state != "cancelling"]
+            peer.leases = tuple(LeaseRef(p.spec.remote_request_id, p.spec.lease_id) for p in held)
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, peer: _Peer, reply: HandshakeReply | None, error: str | None) -> None:
-        if self._peers.get(peer.engine_id) is not peer:
+    def _on_handshake(self, peer: Peer, reply: HandshakeReply | None, error: str | None) -> None:
+        if self._peers.get(peer.key) is not peer:
             return  # a peer dropped meanwhile
         if reply is not None and error is None:
             error = self._incompatibility(peer, reply)
         if reply is not None and error is None:
             try:
-                self.transport.remove_remote(peer.engine_id)  # a restarted peer: forget the old one
-                self.transport.add_remote(peer.engine_id, reply.agent_metadata, _layout(reply))
+                self.transport.remove_remote(peer.key)  # a restarted peer: forget the old one
+                self.transport.add_remote(peer.key, reply.agent_metadata, _layout(reply))
             except Exception as e:
                 error = (f"cannot connect the {self.identity.backend} transport to engine "
                          f"{peer.engine_id}: {e}")
@@ -273,13 +248,13 @@ class Puller:
         assert reply is not None
         peer.reply = reply
         peer.thread.heartbeat_s = min(self.config.heartbeat_seconds, reply.lease_seconds / 3)
-        logger.info("NixlConnector: handshake with engine %s at %s:%d done (%s, %d blocks)",
-                    peer.engine_id, peer.host, peer.port, reply.backend, reply.num_blocks)
+        logger.info("NixlConnector: handshake with engine %s rank %d at %s:%d done (%s, %d blocks)",
+                    peer.engine_id, peer.p_rank, peer.host, peer.port, reply.backend, reply.num_blocks)
         for pull in list(self._pulls.values()):
-            if pull.spec.remote_engine_id == peer.engine_id and pull.state == "handshake":
+            if pull.peer_key == peer.key and pull.state == "handshake":
                 self._pin(peer, pull)
 
-    def _incompatibility(self, peer: _Peer, reply: HandshakeReply) -> str | None:
+    def _incompatibility(self, peer: Peer, reply: HandshakeReply) -> str | None:
         me = self.identity
         where = f"the KV side channel at {peer.host}:{peer.port}"
         if reply.transfer_mode != "pull":
@@ -288,23 +263,27 @@ class Puller:
         if reply.engine_id != peer.engine_id:
             return (f"{where} is engine {reply.engine_id}, the params name {peer.engine_id} "
                     "(did the prefill instance restart?)")
-        if reply.fingerprint_digest != me.fingerprint_digest:
-            difference = describe_difference(me.fingerprint, reply.fingerprint) or (
-                f"digest differs: ours {me.fingerprint_digest}, theirs {reply.fingerprint_digest}")
+        # NOTE: the digest also covers this rank's share of the heads, which differs between TP
+        # sizes; the fingerprint names the model's, so it decides between sizes that differ.
+        difference = describe_difference(me.fingerprint, reply.fingerprint)
+        same_shards = reply.tp_size == me.tp_size
+        if difference is None and same_shards and reply.fingerprint_digest != me.fingerprint_digest:
+            difference = f"digest differs: ours {me.fingerprint_digest}, theirs {reply.fingerprint_digest}"
+        if difference is not None:
             return (f"{where} holds KV we cannot use ({difference}); pair the decode instance with a "
                     "prefill instance of the same model and --kv-cache-dtype")
         mismatches = [(name, theirs, ours) for name, theirs, ours in (
             ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
             ("layer_names", reply.layer_names, list(me.layout.layer_names)),
-            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_size", reply.tp_size, me.tp_size),
-            ("tp_rank", reply.tp_rank, me.tp_rank))
+            ("block_bytes", reply.block_bytes, peer.block_bytes), ("tp_size", reply.tp_size, peer.tp_size),
+            ("tp_rank", reply.tp_rank, peer.p_rank))
             if theirs != ours]
         if mismatches:
             text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)
             return f"{where} has an incompatible KV layout ({text}); configure both instances alike"
         return None
 
-    def _pin(self, peer: _Peer, pull: _Pull) -> None:
+    def _pin(self, peer: Peer, pull: RankPull) -> None:
         assert peer.reply is not None
         out_of_range = [b for b in pull.spec.remote_block_ids if b >= peer.reply.num_blocks]
         if out_of_range:
@@ -314,17 +293,16 @@ class Puller:
             return
         pull.state = "pin"
         spec, deadline = pull.spec, pull.deadline
-        peer.thread.submit(lambda client: self._pin_job(client, peer, spec, deadline))
+        ranges = [(r.remote_offset, r.length) for r in pull.source.ranges or ()]
+        peer.thread.submit(lambda client: self._pin_job(client, peer, spec, deadline, ranges))
 
-    def _on_pin(self, peer: _Peer, req_id: str, status: LeaseStatus | None, error: str | None,
+    def _on_pin(self, peer: Peer, key: tuple[str, int], status: LeaseStatus | None, error: str | None,
                 sent_at: float, sender: str) -> None:
-        if self._peers.get(peer.engine_id) is not peer:
+        if self._peers.get(peer.key) is not peer:
             return  # asked a peer that was dropped since (its pulls were failed or moved)
-        pull = self._pulls.get(req_id)
+        pull = self._pulls.get(key)
         if pull is None or pull.state != "pin":
-            if status is not None and status.state == LEASE_ALIVE:
-                self._release(peer, None if pull is None else pull.spec)
-            return
+            return  # NOTE: a pull that ended meanwhile released its lease when it ended
         if status is not None and not self._same_instance(peer, sender):
             return
         if status is None or status.state != LEASE_ALIVE:
@@ -339,11 +317,10 @@ class Puller:
         self._keep_safe(pull, sent_at, status.remaining_s)
         self._start_read(pull)
 
-    def _on_heartbeat(self, peer: _Peer, statuses: list[LeaseStatus], sent_at: float, sender: str) -> None:
-        if self._peers.get(peer.engine_id) is not peer or not self._same_instance(peer, sender):
+    def _on_heartbeat(self, peer: Peer, statuses: list[LeaseStatus], sent_at: float, sender: str) -> None:
+        if self._peers.get(peer.key) is not peer or not self._same_instance(peer, sender):
             return
-        by_remote_id = {p.spec.remote_request_id: p for p in self._pulls.values()
-                        if p.spec.remote_engine_id == peer.engine_id}
+        by_remote_id = {p.spec.remote_request_id: p for p in self._pulls.values() if p.peer_key == peer.key}
         for status in statuses:
             pull = by_remote_id.get(status.request_id)
             if pull is None or status.state == LEASE_PENDING:
@@ -353,7 +330,7 @@ class Puller:
             elif pull.state in ("handshake", "pin"):
                 self._fail(pull, f"its lease on engine {peer.engine_id} ended: {status.error}", release=False)
 
-    def _same_instance(self, peer: _Peer, sender: str) -> bool:
+    def _same_instance(self, peer: Peer, sender: str) -> bool:
         """False (and every pull from the peer failed) when P restarted since the handshake."""
         if peer.reply is None or sender == peer.reply.instance_id:
             return True
@@ -361,25 +338,26 @@ class Puller:
         return False
 
     @staticmethod
-    def _keep_safe(pull: _Pull, sent_at: float, remaining_s: float) -> None:
+    def _keep_safe(pull: RankPull, sent_at: float, remaining_s: float) -> None:
         # NOTE: measured from before the question was sent, minus a margin for the step that
         # notices: P holds the blocks at least this long.
         margin = max(0.25, 0.05 * remaining_s)
         pull.safe_until = max(pull.safe_until, sent_at + remaining_s - margin)
 
-    def _start_read(self, pull: _Pull) -> None:
+    def _start_read(self, pull: RankPull) -> None:
         spec = pull.spec
-        notification = f"{spec.remote_request_id}:1".encode()
+        notification = f"{spec.remote_request_id}:{pull.source.num_readers}".encode()
         try:
-            pull.handle = self.transport.read_blocks(spec.remote_engine_id, spec.local_block_ids,
-                                                     spec.remote_block_ids, notification)
+            pull.handle = self.transport.read_blocks(pull.peer_key, spec.local_block_ids,
+                                                     spec.remote_block_ids, notification,
+                                                     ranges=pull.source.ranges)
         except Exception as e:
             self._fail(pull, f"the transport refused the read: {e}")
             return
         pull.state = "reading"
         pull.read_started = time.monotonic()
 
-    def _check_read(self, pull: _Pull, now: float) -> None:
+    def _check_read(self, pull: RankPull, now: float) -> None:
         assert pull.handle is not None
         state = pull.handle.poll()
         if state == TransferState.DONE:
@@ -392,98 +370,133 @@ class Puller:
         elif now >= pull.safe_until:
             self._fail(pull, "its lease could not be kept alive (heartbeats unanswered)", stat="timeouts")
 
-    def _complete(self, pull: _Pull) -> None:
+    def _complete(self, pull: RankPull) -> None:
         spec = pull.spec
         assert pull.handle is not None
         pull.handle.release()
-        del self._pulls[spec.req_id]
-        results = self._results
-        results.finished.add(spec.req_id)
-        num_bytes = len(spec.local_block_ids) * self.identity.layout.block_bytes * len(self.kv_layers)
-        results.count("bytes_loaded", num_bytes)
-        results.count("tokens_loaded", len(spec.local_block_ids) * self.identity.block_size)
-        results.count("seconds_loading", time.monotonic() - pull.read_started)
-        if pull.aborted or not self.config.verify_checksum:
+        del self._pulls[pull.key]
+        ranges = pull.source.ranges
+        block_bytes = self.identity.layout.block_bytes if ranges is None else sum(r.length for r in ranges)
+        self._results.count("bytes_loaded", len(spec.local_block_ids) * block_bytes * len(self.kv_layers))
+        self._results.count("seconds_loading", time.monotonic() - pull.read_started)
+        request = self._requests[spec.req_id]
+        if not pull.aborted and self.config.verify_checksum:
+            local_ranges = None if ranges is None else [(r.local_offset, r.length) for r in ranges]
+            local = security.block_digests(self.kv_layers, spec.local_block_ids, local_ranges)
+            pairs = zip(spec.local_block_ids, local, pull.checksums, strict=True)
+            bad = [block_id for block_id, got, want in pairs if got != want]
+            if bad:
+                logger.warning("NixlConnector: request %s: %d of %d blocks from P rank %d failed their "
+                               "checksum; recovering per kv_load_failure_policy", spec.req_id, len(bad),
+                               len(local), pull.source.p_rank)
+                request.invalid_block_ids.update(bad)
+        self._settle(pull, failed=False, count=False)
+
+    def _settle(self, pull: RankPull, failed: bool, count: bool) -> None:
+        """One of a request's pulls ended; report the request when it was the last."""
+        request = self._requests[pull.spec.req_id]
+        request.pending -= 1
+        request.count_failure = request.count_failure or count
+        if failed and not request.failed:
+            request.failed = True
+            for sibling in [p for p in self._pulls.values() if p.spec.req_id == pull.spec.req_id]:
+                if sibling.state in ("handshake", "pin"):  # NOTE: each settles through here
+                    self._fail(sibling, f"gave up: its read from P rank {pull.source.p_rank} failed",
+                               count=False)
+        if request.pending > 0 or self._requests.get(pull.spec.req_id) is not request:
             return
-        local = security.block_digests(self.kv_layers, spec.local_block_ids)
-        pairs = zip(spec.local_block_ids, local, pull.checksums, strict=True)
-        bad = [block_id for block_id, got, want in pairs if got != want]
-        if bad:
-            logger.warning("NixlConnector: request %s: %d of %d blocks failed their checksum; "
-                           "recovering per kv_load_failure_policy", spec.req_id, len(bad), len(local))
-            results.invalid_block_ids.update(bad)
+        del self._requests[pull.spec.req_id]
+        results = self._results
+        if request.failed:
+            if request.count_failure:
+                results.count("load_failures")
+            results.failed.add(pull.spec.req_id)
+            return
+        results.finished.add(pull.spec.req_id)
+        results.count("tokens_loaded", len(pull.spec.local_block_ids) * self.identity.block_size)
+        if request.invalid_block_ids:
+            results.invalid_block_ids.update(request.invalid_block_ids)
             results.count("checksum_failures")
             results.count("load_failures")
 
     # ---------------------------------------------------------------- endings
 
-    def _fail(self, pull: _Pull, reason: str, release: bool = True, count: bool = True,
+    def _fail(self, pull: RankPull, reason: str, release: bool = True, count: bool = True,
               stat: str | None = None) -> None:
         """End a pull unsuccessfully. A read still in flight is cancelled first: the failure is
         reported only once the transport says it settled, so no byte lands in a block the
         scheduler already handed to the recompute."""
-        if pull.state == "cancelling":
+        if pull.state == "cancelling" or self._pulls.get(pull.key) is not pull:
             return
         if stat is not None:
             self._results.count(stat)
-        peer = self._peers.get(pull.spec.remote_engine_id)
-        if release and peer is not None:
-            self._release(peer, pull.spec)
-        if pull.handle is not None and pull.handle.poll() == TransferState.PENDING:
+        state = None if pull.handle is None else pull.handle.poll()
+        if state == TransferState.PENDING:
+            # NOTE: released only if the read does not complete: a completed read notified P,
+            # and P counting one reader twice would free blocks another D rank still reads.
+            assert pull.handle is not None
             pull.handle.release()  # ask the transport to cancel; some finish the read anyway
-            pull.state, pull.failure = "cancelling", reason
+            pull.state, pull.failure, pull.release_on_settle = "cancelling", reason, release
             pull.deadline = time.monotonic() + self.config.transfer_timeout_seconds
             return
+        if release and state != TransferState.DONE:
+            self._release_pull(pull)
         self._report_failed(pull, reason, count)
 
-    def _check_cancelled(self, pull: _Pull, now: float) -> None:
+    def _check_cancelled(self, pull: RankPull, now: float) -> None:
         assert pull.handle is not None
-        if pull.handle.poll() == TransferState.PENDING:
+        state = pull.handle.poll()
+        if state == TransferState.PENDING:
             if now < pull.deadline:
                 return
             logger.error("NixlConnector: request %s: the transport neither finished nor cancelled "
                          "its read; reporting the failure anyway", pull.spec.req_id)
+        if pull.release_on_settle and state != TransferState.DONE:
+            self._release_pull(pull)
         self._report_failed(pull, pull.failure, count=not pull.aborted)
 
-    def _report_failed(self, pull: _Pull, reason: str, count: bool) -> None:
+    def _report_failed(self, pull: RankPull, reason: str, count: bool) -> None:
         if pull.handle is not None:
             pull.handle.release()
-        self._pulls.pop(pull.spec.req_id, None)
+        del self._pulls[pull.key]
         if count:
-            logger.warning("NixlConnector: request %s %s; recovering per kv_load_failure_policy",
-                           pull.spec.req_id, reason)
-            self._results.count("load_failures")
-        self._results.failed.add(pull.spec.req_id)
+            logger.warning("NixlConnector: request %s (P rank %d) %s; recovering per kv_load_failure_policy",
+                           pull.spec.req_id, pull.source.p_rank, reason)
+        self._settle(pull, failed=True, count=count)
 
     def _fail_now(self, req_id: str, reason: str) -> None:
         logger.warning("NixlConnector: request %s %s; recovering per kv_load_failure_policy", req_id, reason)
         self._results.count("load_failures")
         self._results.failed.add(req_id)
 
-    def _release(self, peer: _Peer, spec: PullSpec | None) -> None:
-        if spec is not None:
-            peer.thread.submit(lambda client: self._release_job(client, spec))
+    def _release(self, peer: Peer, spec: PullSpec, num_consumers: int) -> None:
+        peer.thread.submit(lambda client: self._release_job(client, spec, num_consumers))
 
-    def _drop_peer(self, peer: _Peer, reason: str, retry: bool = False) -> None:
+    def _release_pull(self, pull: RankPull) -> None:
+        peer = self._peers.get(pull.peer_key)
+        if peer is not None:
+            self._release(peer, pull.spec, pull.source.num_readers)
+
+    def _drop_peer(self, peer: Peer, reason: str, retry: bool = False) -> None:
         """Forget a peer. Its pulls fail, or with `retry` (it restarted) the ones that did not
         start reading go through a fresh handshake: their leases decide whether they survived."""
-        if self._peers.get(peer.engine_id) is peer:
-            del self._peers[peer.engine_id]
+        if self._peers.get(peer.key) is peer:
+            del self._peers[peer.key]
         peer.thread.close(timeout_s=0.0)  # NOTE: stops at its next poll; joined in close()
         self._closing.append(peer.thread)
         if peer.reply is not None:
             try:
-                self.transport.remove_remote(peer.engine_id)
+                self.transport.remove_remote(peer.key)
             except Exception:
                 logger.exception("NixlConnector: removing engine %s from the transport failed",
                                  peer.engine_id)
         for pull in list(self._pulls.values()):
-            if pull.spec.remote_engine_id != peer.engine_id:
+            if pull.peer_key != peer.key:
                 continue
             if retry and pull.state in ("handshake", "pin"):
                 logger.info("NixlConnector: request %s: %s; handshaking again", pull.spec.req_id, reason)
                 pull.state = "handshake"
-                self._peer_for(pull.spec)
+                self._peer_for(pull.spec, pull.source)
             else:
                 self._fail(pull, reason, release=False)
 
@@ -493,6 +506,7 @@ class Puller:
             if pull.handle is not None:
                 pull.handle.release()
         self._pulls.clear()
+        self._requests.clear()
         threads = [peer.thread for peer in self._peers.values()] + self._closing
         self._peers.clear()
         for thread in threads:

@@ -14,14 +14,17 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_leases import LeaseTable
 from kvrelay.kv_transfer.connectors.nixl_meta import (
+    LEASE_REFUSED,
     HandshakeReply,
     HeartbeatRequest,
+    LeaseStatus,
     LeaseStatuses,
     NixlConnectorMetadata,
     PinRequest,
     ReleaseRequest,
 )
-from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, Puller
+from kvrelay.kv_transfer.connectors.nixl_pull import Puller
+from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
 from kvrelay.kv_transfer.connectors.side_channel import SideChannelServer, decode
 from kvrelay.outputs import KVConnectorOutput
 
@@ -52,6 +55,12 @@ def create_transport(backend: str, transfer_config: KVTransferConfig, *, secret:
     return create(backend, transfer_config.engine_id)
 
 
+def model_kv_heads(kv_spec: KVCacheSpec) -> int:
+    """The model's KV heads (kv_spec's are this rank's share); the compatibility fingerprint
+    names them, an engine without one is unsharded or splits its heads evenly."""
+    return int(kv_spec.fingerprint.get("num_kv_heads", kv_spec.num_kv_heads * kv_spec.tp_size))
+
+
 class NixlWorker:
     def __init__(self, transfer_config: KVTransferConfig, nixl_config: NixlConfig,
                  keys: security.Keys, kv_spec: KVCacheSpec) -> None:
@@ -75,9 +84,11 @@ class NixlWorker:
                                           **self.nixl_config.mooncake_options())
         self.layout = self.transport.register_kv_caches(kv_caches)
         if self.transfer_config.is_producer:
-            self.leases = LeaseTable(self.nixl_config.lease_seconds,
-                                     lambda block_ids: security.block_digests(self.kv_layers, block_ids))
-            # NOTE: one side channel per rank, on kv_port + tp_rank; D's rank r talks to P's rank r.
+            self.leases = LeaseTable(
+                self.nixl_config.lease_seconds,
+                lambda block_ids, ranges: security.block_digests(self.kv_layers, block_ids, ranges))
+            # NOTE: one side channel per rank, on kv_port + tp_rank; D's ranks talk to the P ranks
+            # holding their KV heads (nixl_tp.py).
             self.server = SideChannelServer(
                 self.transfer_config.kv_ip, self.transfer_config.kv_port + self.kv_spec.tp_rank,
                 self.keys.channel,
@@ -88,7 +99,8 @@ class NixlWorker:
                 engine_id=self.transfer_config.engine_id, backend=self.nixl_config.backend,
                 block_size=self.kv_spec.block_size, fingerprint_digest=self.kv_spec.fingerprint_digest(),
                 fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout,
-                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size)
+                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size,
+                num_kv_heads=model_kv_heads(self.kv_spec))
             self.puller = Puller(self.transport, identity, self.nixl_config, self.keys.channel,
                                  self.kv_layers)
 
@@ -142,8 +154,15 @@ class NixlWorker:
             tp_rank=self.kv_spec.tp_rank)
 
     def _on_pin(self, body: bytes) -> tuple[str, msgspec.Struct]:
-        assert self.leases is not None
-        return "lease", self.leases.pin(decode(body, PinRequest))
+        assert self.leases is not None and self.layout is not None
+        request = decode(body, PinRequest)
+        block_bytes = self.layout.block_bytes
+        outside = [r for r in request.ranges if r[0] < 0 or r[1] <= 0 or r[0] + r[1] > block_bytes]
+        if outside:
+            return "lease", LeaseStatus(request_id=request.request_id, state=LEASE_REFUSED,
+                                        error=f"byte ranges {outside[:4]} fall outside a block of "
+                                              f"{block_bytes} bytes")
+        return "lease", self.leases.pin(request)
 
     def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.leases is not None

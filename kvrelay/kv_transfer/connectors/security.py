@@ -188,8 +188,11 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[int]:
-    """One 64-bit checksum per block over every layer's bytes of it (K and V).
+def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+                  ranges: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """One 64-bit checksum per block over every layer's bytes of it (K and V), or with `ranges`
+    ((offset, length) within a block) over those bytes of it only: what a read of a KV-head
+    slice moves, so P and D checksum the same bytes at their own offsets.
 
     The sum (mod 2**64) of the block's 64-bit words, read in place (a run of consecutive blocks is
     one slice of the layer, no gather copy): one pass over memory, about as fast as a copy, which
@@ -205,10 +208,23 @@ def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -
     runs = _runs(block_ids)  # in block_ids order, so the concatenated sums line up with it
     total = torch.zeros(len(block_ids), dtype=torch.int64, device=kv_layers[0].device)
     for kv in kv_layers:
-        sums = [_word_sums(kv[a:b]) for a, b in runs]  # each [b - a]
-        layer_sum = sums[0] if len(sums) == 1 else torch.cat(sums)  # [n]
+        if ranges is not None:
+            layer_sum = _word_sums(_gather_ranges(kv, block_ids, ranges))  # [n]
+        else:
+            sums = [_word_sums(kv[a:b]) for a, b in runs]  # each [b - a]
+            layer_sum = sums[0] if len(sums) == 1 else torch.cat(sums)  # [n]
         total = total * 1000003 + layer_sum
     return [int(x) for x in total.tolist()]
+
+
+def _gather_ranges(kv: torch.Tensor, block_ids: Sequence[int],
+                   ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """[n, sum of lengths] uint8: the byte ranges of each block, concatenated in range order."""
+    import torch
+
+    raw = kv.reshape(kv.shape[0], -1).view(torch.uint8)  # [num_blocks, block_bytes]
+    ids = torch.tensor(list(block_ids), device=kv.device)  # [n]
+    return torch.cat([raw[ids, offset:offset + length] for offset, length in ranges], dim=1)  # [n, sum]
 
 
 def _word_sums(blocks: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.kv_transfer.transport.base import (
+    ByteRange,
     FinishedTransfer,
     KVTransport,
     RegionLayout,
@@ -71,6 +72,7 @@ def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port
 
 __all__ = [
     "TRANSPORTS",
+    "ByteRange",
     "FinishedTransfer",
     "KVTransport",
     "RegionLayout",

@@ -6,7 +6,10 @@ The side that owns the blocks (P) only registers memory and answers; the side th
 has completed, which is how P learns it may free the blocks.
 
 KV layout (fixed for the engine): per layer one tensor [num_blocks, 2, H_kv, block_size, D], so
-block b of layer l starts at base_address(l) + b * block_bytes and is contiguous.
+block b of layer l starts at base_address(l) + b * block_bytes and is contiguous. A read moves
+whole blocks, or (`ranges`) the same byte ranges out of every block: with tensor parallelism of
+different sizes on the two sides, a block of one side holds a different set of KV heads than a
+block of the other, and one head's K (or V) is one contiguous range of a block.
 
 Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU), a built-in TCP
 backend and Mooncake's Transfer Engine (tcp, or rdma where devices exist). All pull (D asks,
@@ -20,7 +23,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +38,15 @@ class RegionLayout:
     block_bytes: int  # bytes of one block of one layer (K and V)
     base_addresses: tuple[int, ...]  # per layer; informational for TCP, used by NIXL
     device: str = "cpu"
+
+
+class ByteRange(NamedTuple):
+    """`length` bytes at `remote_offset` of a remote block, copied to `local_offset` of the
+    paired local block (the same offsets in every block and every layer of the read)."""
+
+    remote_offset: int
+    local_offset: int
+    length: int
 
 
 class TransferState(enum.Enum):
@@ -121,11 +133,51 @@ def check_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
 
 
 def check_compatible(local: RegionLayout, remote: RegionLayout) -> None:
-    """Raise ValueError unless a remote's blocks can be copied byte for byte into ours."""
-    if len(local.layer_names) != len(remote.layer_names) or local.block_bytes != remote.block_bytes:
-        raise ValueError(f"remote KV layout ({len(remote.layer_names)} layers of {remote.block_bytes}-byte "
-                         f"blocks) differs from the local one ({len(local.layer_names)} layers of "
-                         f"{local.block_bytes}-byte blocks)")
+    """Raise ValueError unless a remote's blocks can be read into ours: the same layers. Block
+    sizes may differ (a tensor-parallel shard of another size); each read checks its ranges."""
+    if len(local.layer_names) != len(remote.layer_names):
+        raise ValueError(f"remote KV layout has {len(remote.layer_names)} layers, the local one "
+                         f"{len(local.layer_names)}")
+
+
+def check_ranges(ranges: Sequence[ByteRange] | None, local_block_bytes: int,
+                 remote_block_bytes: int) -> list[ByteRange] | None:
+    """The byte ranges of a read, validated: None (whole blocks) needs equal block sizes; each
+    range must be non-empty and inside both blocks, and no two may overlap in the local block."""
+    if ranges is None:
+        if local_block_bytes != remote_block_bytes:
+            raise ValueError(f"a whole-block read needs blocks of one size, got {remote_block_bytes} remote "
+                             f"and {local_block_bytes} local bytes: pass the byte ranges to read")
+        return None
+    checked = [ByteRange(*r) for r in ranges]
+    if not checked:
+        raise ValueError("a read by byte ranges needs at least one range (None reads whole blocks)")
+    for r in checked:
+        if r.length <= 0 or r.remote_offset < 0 or r.local_offset < 0:
+            raise ValueError(f"byte range {tuple(r)} needs non-negative offsets and a positive length")
+        if r.remote_offset + r.length > remote_block_bytes or r.local_offset + r.length > local_block_bytes:
+            raise ValueError(f"byte range {tuple(r)} runs past a block ({remote_block_bytes} bytes remote, "
+                             f"{local_block_bytes} local)")
+    by_local = sorted(checked, key=lambda r: r.local_offset)
+    for before, after in zip(by_local, by_local[1:], strict=False):
+        if before.local_offset + before.length > after.local_offset:
+            raise ValueError(f"byte ranges {tuple(before)} and {tuple(after)} overlap in the local block")
+    return checked
+
+
+def range_copies(local_bases: Sequence[int], remote_bases: Sequence[int], local_block_bytes: int,
+                 remote_block_bytes: int, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                 ranges: Sequence[ByteRange]) -> tuple[list[int], list[int], list[int]]:
+    """(local addresses, remote addresses, lengths) of a read by byte ranges: layer by layer,
+    block pair by block pair, range by range (the order a stream of the bytes follows)."""
+    locals_, remotes, lengths = [], [], []
+    for local_base, remote_base in zip(local_bases, remote_bases, strict=True):
+        for local, remote in zip(local_block_ids, remote_block_ids, strict=True):
+            for r in ranges:
+                locals_.append(local_base + local * local_block_bytes + r.local_offset)
+                remotes.append(remote_base + remote * remote_block_bytes + r.remote_offset)
+                lengths.append(r.length)
+    return locals_, remotes, lengths
 
 
 class WriteGuard(Protocol):
@@ -166,13 +218,16 @@ class KVTransport(ABC):
 
     @abstractmethod
     def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
-        """Start reading remote blocks (every layer) into local blocks, pairwise. The owner
-        receives `notification` once the read completed. An empty list only sends the
-        notification. Returns immediately.
+                    remote_block_ids: Sequence[int], notification: bytes,
+                    ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
+        """Start reading remote blocks (every layer) into local blocks, pairwise: whole blocks,
+        or only `ranges` of each (see ByteRange; the rest of a local block is left as it was).
+        The owner receives `notification` once the read completed. An empty list only sends
+        the notification. Returns immediately.
 
-        Raises ValueError for a malformed request (lengths differ, a block id out of range);
-        a read from an unknown or removed remote returns a handle already in ERROR."""
+        Raises ValueError for a malformed request (lengths differ, a block id out of range, a
+        range outside a block: see check_ranges); a read from an unknown or removed remote
+        returns a handle already in ERROR."""
 
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,

@@ -6,7 +6,9 @@ other's registered buffers over the engine's own RPC port; no metadata server) a
 `tcp`, or `rdma` where the fabric has devices. Every layer's KV tensor is registered once, so a
 read is a list of (local address, remote address, length) triples: block b of layer l sits at
 base_address(l) + b * block_bytes on both sides, and adjacent block ids on both sides fold into
-one triple. Batches are cut at `max_batch_entries` (the engine refuses a batch of 4096).
+one triple. A read by byte ranges (a KV-head slice between TP sizes that differ) is one triple
+per (layer, block, range). Batches are cut at `max_batch_entries` (the engine refuses a batch of
+4096).
 
 Reads run on one thread here (`batch_transfer_sync_read` releases the GIL), so `read_blocks`
 returns at once and the handle is polled. Once a read's bytes sit in D's blocks, D sends the
@@ -33,6 +35,7 @@ import zmq
 
 from kvrelay.kv_transfer.connectors.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from kvrelay.kv_transfer.transport.base import (
+    ByteRange,
     FinishedTransfer,
     KVTransport,
     RegionLayout,
@@ -41,8 +44,10 @@ from kvrelay.kv_transfer.transport.base import (
     TransportError,
     check_compatible,
     check_layers,
+    check_ranges,
     check_read,
     describe_kv_caches,
+    range_copies,
 )
 
 if TYPE_CHECKING:
@@ -210,18 +215,25 @@ class MooncakeTransport(KVTransport):
         self._remotes.pop(remote_engine_id, None)
 
     def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
+                    remote_block_ids: Sequence[int], notification: bytes,
+                    ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         remote = self._remotes.get(remote_engine_id)
         if remote is None:
             return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before read_blocks")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        checked = check_ranges(ranges, self.layout.block_bytes, remote.layout.block_bytes)
         if not local_block_ids:
             self._jobs.put(_Job(remote_engine_id, ([], [], []), notification, None))
             return FinishedTransfer()
-        triples = read_triples(self.layout.base_addresses, remote.layout.base_addresses,
-                               self.layout.block_bytes, local_block_ids, remote_block_ids)
+        if checked is None:
+            triples = read_triples(self.layout.base_addresses, remote.layout.base_addresses,
+                                   self.layout.block_bytes, local_block_ids, remote_block_ids)
+        else:
+            triples = range_copies(self.layout.base_addresses, remote.layout.base_addresses,
+                                   self.layout.block_bytes, remote.layout.block_bytes, local_block_ids,
+                                   remote_block_ids, checked)
         handle = _MooncakeRead()
         self._jobs.put(_Job(remote_engine_id, triples, notification, handle))
         return handle
@@ -238,6 +250,7 @@ class MooncakeTransport(KVTransport):
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before write_blocks")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        check_ranges(None, self.layout.block_bytes, remote.layout.block_bytes)
         chosen = check_layers(layers, len(self.layout.base_addresses))
         triples = read_triples([self.layout.base_addresses[i] for i in chosen],
                                [remote.layout.base_addresses[i] for i in chosen],

@@ -6,7 +6,9 @@ locally at registration, for a peer when it is added, one descriptor per (layer,
     descriptor index  l * num_blocks + b   ->   (base_address(l) + b * block_bytes, block_bytes)
 
 so a read only computes two index lists and posts one prepared transfer carrying the
-notification. An empty read sends the notification alone.
+notification. An empty read sends the notification alone. A read by byte ranges (a KV-head slice
+of each block, between instances of different TP sizes) builds its own descriptor lists, one
+descriptor per (layer, block, range), and posts them unprepared.
 
 NOTE: the agent's own progress thread is off (it busy-polls; on a small machine it costs more
 than the transfers). Without RDMA, UCX emulates a READ with messages the owner must answer, so
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvrelay.kv_transfer.transport.base import (
+    ByteRange,
     FinishedTransfer,
     KVTransport,
     RegionLayout,
@@ -34,8 +37,10 @@ from kvrelay.kv_transfer.transport.base import (
     TransferState,
     check_compatible,
     check_layers,
+    check_ranges,
     check_read,
     describe_kv_caches,
+    range_copies,
 )
 
 if TYPE_CHECKING:
@@ -200,23 +205,46 @@ class NixlTransport(KVTransport):
             self.agent.remove_remote_agent(remote.agent_name)
 
     def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
+                    remote_block_ids: Sequence[int], notification: bytes,
+                    ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         remote = self._remotes.get(remote_engine_id)
         if remote is None:
             return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before read_blocks")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        checked = check_ranges(ranges, self.layout.block_bytes, remote.layout.block_bytes)
         if not local_block_ids:
             with self.lock:
                 self.agent.send_notif(remote.agent_name, notification)
             return FinishedTransfer()
+        if checked is not None:
+            return self._read_ranges(remote, local_block_ids, remote_block_ids, notification, checked)
         num_layers = len(self.layout.layer_names)
         local = descriptor_indices(local_block_ids, num_layers, self.layout.num_blocks)
         remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks)
         with self.lock:
             xfer = self.agent.make_prepped_xfer("READ", self._local_descs, local, remote.descs,
                                                 remote_indices, notification)
+            state = self.agent.transfer(xfer)
+        return _NixlRead(self, xfer, state)
+
+    def _read_ranges(self, remote: _Remote, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+                     notification: bytes, ranges: Sequence[ByteRange]) -> TransferHandle:
+        assert self.layout is not None
+        local_addrs, remote_addrs, lengths = range_copies(
+            self.layout.base_addresses, remote.layout.base_addresses, self.layout.block_bytes,
+            remote.layout.block_bytes, local_block_ids, remote_block_ids, ranges)
+        descs = []
+        for addrs, layout in ((local_addrs, self.layout), (remote_addrs, remote.layout)):
+            rows = np.empty((len(addrs), 3), dtype=np.uint64)  # [L * n * ranges, 3]
+            rows[:, 0], rows[:, 1], rows[:, 2] = addrs, lengths, _device_index(layout.device)
+            descs.append((rows, _mem_type(layout.device)))
+        with self.lock:
+            local_descs = self.agent.get_xfer_descs(*descs[0])
+            remote_descs = self.agent.get_xfer_descs(*descs[1])
+            xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote.agent_name,
+                                              notification)
             state = self.agent.transfer(xfer)
         return _NixlRead(self, xfer, state)
 
@@ -235,6 +263,7 @@ class NixlTransport(KVTransport):
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before a transfer")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
+        check_ranges(None, self.layout.block_bytes, remote.layout.block_bytes)
         num_layers = len(self.layout.layer_names)
         if layers is not None:
             check_layers(layers, num_layers)

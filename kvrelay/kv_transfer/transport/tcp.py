@@ -9,6 +9,10 @@ returns at once. One read on one persistent connection:
     D -> P   ACK once every byte sits in D's blocks; P queues the notification on the ACK,
              so a notification always means "D has the bytes"
 
+A read by byte ranges (RRNG: a KV-head slice of each block, between instances of different TP
+sizes) also sends the ranges (remote offset, length) after the block ids; P then streams, layer
+by layer and block by block, only those ranges of each block, and D lands each at its own offset.
+
 Bytes move from memoryviews over P's tensor into memoryviews over D's destination blocks with
 vectored calls: P hands the kernel every (layer, run of blocks) slice in one sendmsg, D one
 recvmsg_into with MSG_WAITALL over the matching slices of its blocks (up to IOV_MAX slices a
@@ -40,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvrelay.kv_transfer.transport.base import (
+    ByteRange,
     FinishedTransfer,
     KVTransport,
     RegionLayout,
@@ -48,6 +53,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransportError,
     WriteGuard,
     check_compatible,
+    check_ranges,
     check_read,
     describe_kv_caches,
 )
@@ -63,6 +69,9 @@ _READ = struct.Struct("!4sII")  # magic, number of blocks, notification length
 _STATUS = struct.Struct("!BI")  # 0 = OK / 1 = error, error message length
 _MAGIC_HELLO = b"KVR1"
 _MAGIC_READ = b"READ"
+_MAGIC_READ_RANGES = b"RRNG"  # a READ of byte ranges of each block
+_NUM_RANGES = struct.Struct("!I")
+_MAX_RANGES = 1024  # a head slice is two ranges (K and V); this bounds P's buffer
 _MAGIC_WRITE = b"WRIT"  # a push: see tcp_push.py
 _ACK = b"A"
 _ACCEPT_POLL_S = 0.2
@@ -156,6 +165,14 @@ def _block_slices(layers: Sequence[memoryview], runs: Sequence[tuple[int, int]],
     """The byte slices of every run of blocks, layer by layer: the order of the stream."""
     return [layer[first * block_bytes:(first + length) * block_bytes]
             for layer in layers for first, length in runs]
+
+
+def _range_slices(layers: Sequence[memoryview], block_ids: Sequence[int], block_bytes: int,
+                  ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+    """The (offset, length) ranges of every block, block by block, layer by layer: the order of
+    a read by byte ranges."""
+    return [layer[b * block_bytes + offset:b * block_bytes + offset + length]
+            for layer in layers for b in block_ids for offset, length in ranges]
 
 
 def _configure(sock: socket.socket, timeout_s: float) -> None:
@@ -252,33 +269,52 @@ class _BlockServer:
             from kvrelay.kv_transfer.transport.tcp_push import serve_one_write
 
             return serve_one_write(self, sock, num_ids, notification_len)
-        if magic != _MAGIC_READ:
+        if magic not in (_MAGIC_READ, _MAGIC_READ_RANGES):
             raise ConnectionError(f"bad request magic {magic!r}")
-        problem = self._oversize(num_ids, notification_len)
+        num_ranges = 0
+        if magic == _MAGIC_READ_RANGES:
+            (num_ranges,) = _NUM_RANGES.unpack(_recv_bytes(sock, _NUM_RANGES.size))
+        problem = self._oversize(num_ids, notification_len, num_ranges)
         if problem is not None:  # NOTE: the request's body is not read, so the stream is lost
             self._refuse(sock, problem)
             return False
-        body = _recv_bytes(sock, 4 * num_ids + notification_len)
+        body = _recv_bytes(sock, 4 * num_ids + 8 * num_ranges + notification_len)
         block_ids = struct.unpack_from(f"!{num_ids}I", body)
-        notification = body[4 * num_ids:]
-        bad = [b for b in block_ids if b >= self.num_blocks]
-        if bad:
-            self._refuse(sock, f"block ids {bad[:8]} are outside the pool of {self.num_blocks} blocks")
+        flat = struct.unpack_from(f"!{2 * num_ranges}I", body, 4 * num_ids)
+        ranges = list(zip(flat[::2], flat[1::2], strict=True))  # (offset, length)
+        notification = body[4 * num_ids + 8 * num_ranges:]
+        problem = self._outside(block_ids, ranges)
+        if problem is not None:
+            self._refuse(sock, problem)
             return True
-        slices = _block_slices(self.layers, _runs(block_ids), self.block_bytes)
+        if magic == _MAGIC_READ:
+            slices = _block_slices(self.layers, _runs(block_ids), self.block_bytes)
+        else:
+            slices = _range_slices(self.layers, block_ids, self.block_bytes, ranges)
         _send_views(sock, [memoryview(_STATUS.pack(0, 0)), *slices])
         if _recv_bytes(sock, 1) != _ACK:
             raise ConnectionError("reader did not acknowledge the blocks")
         self.notifications.append(notification)
         return True
 
-    def _oversize(self, num_ids: int, notification_len: int) -> str | None:
+    def _outside(self, block_ids: Sequence[int], ranges: Sequence[tuple[int, int]]) -> str | None:
+        bad = [b for b in block_ids if b >= self.num_blocks]
+        if bad:
+            return f"block ids {bad[:8]} are outside the pool of {self.num_blocks} blocks"
+        bad_ranges = [r for r in ranges if r[1] == 0 or r[0] + r[1] > self.block_bytes]
+        if bad_ranges:
+            return f"byte ranges {bad_ranges[:4]} are empty or run past a block of {self.block_bytes} bytes"
+        return None
+
+    def _oversize(self, num_ids: int, notification_len: int, num_ranges: int = 0) -> str | None:
         """Why a READ header cannot be honoured before its body is even read, or None."""
         if not self.layers:
             return "this engine has registered no KV caches yet"
         if num_ids > self.num_blocks:
             return (f"a read of {num_ids} blocks is more than the whole pool of {self.num_blocks} "
                     "blocks")
+        if num_ranges > _MAX_RANGES:
+            return f"a read of {num_ranges} byte ranges per block is over the limit of {_MAX_RANGES}"
         if notification_len > _MAX_NOTIFICATION_BYTES:
             return (f"a notification of {notification_len} bytes is over the limit of "
                     f"{_MAX_NOTIFICATION_BYTES}")
@@ -397,21 +433,29 @@ class TcpTransport(KVTransport):
             sock.close()
 
     def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
+                    remote_block_ids: Sequence[int], notification: bytes,
+                    ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         remote = self._remotes.get(remote_engine_id)
         if remote is None:
             return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before read_blocks")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
-        request = (_READ.pack(_MAGIC_READ, len(remote_block_ids), len(notification))
-                   + struct.pack(f"!{len(remote_block_ids)}I", *remote_block_ids) + notification)
+        checked = check_ranges(ranges, self.layout.block_bytes, remote.layout.block_bytes)
+        ids = struct.pack(f"!{len(remote_block_ids)}I", *remote_block_ids)
+        if checked is None:
+            request = _READ.pack(_MAGIC_READ, len(remote_block_ids), len(notification)) + ids + notification
+        else:
+            flat = [value for r in checked for value in (r.remote_offset, r.length)]
+            request = (_READ.pack(_MAGIC_READ_RANGES, len(remote_block_ids), len(notification))
+                       + _NUM_RANGES.pack(len(checked)) + ids + struct.pack(f"!{len(flat)}I", *flat)
+                       + notification)
         with self._lock:
             self._in_flight += 1
         sent_on = self._send_on_idle(remote, request)
         try:
             future = self._pool.submit(self._read, remote, list(local_block_ids), list(remote_block_ids),
-                                       request, sent_on)
+                                       request, sent_on, checked)
         except BaseException:
             with self._lock:
                 self._in_flight -= 1
@@ -456,15 +500,15 @@ class TcpTransport(KVTransport):
         return sock
 
     def _read(self, remote: _Remote, local_block_ids: list[int], remote_block_ids: list[int],
-              request: bytes, sent_on: socket.socket | None) -> None:
+              request: bytes, sent_on: socket.socket | None, ranges: list[ByteRange] | None) -> None:
         try:
-            self._read_blocks(remote, local_block_ids, remote_block_ids, request, sent_on)
+            self._read_blocks(remote, local_block_ids, remote_block_ids, request, sent_on, ranges)
         finally:
             with self._lock:
                 self._in_flight -= 1
 
     def _read_blocks(self, remote: _Remote, local_block_ids: list[int], remote_block_ids: list[int],
-                     request: bytes, sent_on: socket.socket | None) -> None:
+                     request: bytes, sent_on: socket.socket | None, ranges: list[ByteRange] | None) -> None:
         sock, reused = (sent_on, True) if sent_on is not None else self._checkout(remote)
         try:
             try:
@@ -486,7 +530,7 @@ class TcpTransport(KVTransport):
                 message = _recv_bytes(sock, message_len).decode(errors="replace")
                 self._checkin(remote, sock)
                 raise TransportError(f"engine {remote.engine_id} refused the read: {message}")
-            self._recv_blocks(sock, local_block_ids, remote_block_ids)
+            self._recv_blocks(sock, local_block_ids, remote_block_ids, ranges)
             sock.sendall(_ACK)
         except (OSError, ConnectionError) as e:
             self._discard(sock)
@@ -494,9 +538,14 @@ class TcpTransport(KVTransport):
                                  f"{remote.address[1]} failed: {e}") from e
         self._checkin(remote, sock)
 
-    def _recv_blocks(self, sock: socket.socket, local_block_ids: list[int],
-                     remote_block_ids: list[int]) -> None:
+    def _recv_blocks(self, sock: socket.socket, local_block_ids: list[int], remote_block_ids: list[int],
+                     ranges: list[ByteRange] | None) -> None:
         assert self.layout is not None
+        if ranges is not None:
+            local_ranges = [(r.local_offset, r.length) for r in ranges]
+            _recv_views(sock, _range_slices(self._layers, local_block_ids, self.layout.block_bytes,
+                                            local_ranges))
+            return
         runs = _paired_runs(local_block_ids, remote_block_ids)
         _recv_views(sock, _block_slices(self._layers, runs, self.layout.block_bytes))
 

@@ -27,6 +27,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransferHandle,
     TransportError,
     check_layers,
+    check_ranges,
     check_read,
 )
 from kvrelay.kv_transfer.transport.tcp import (
@@ -114,6 +115,7 @@ def start_write(transport: TcpTransport, remote_engine_id: str, local_block_ids:
     if transport.layout is None:
         raise RuntimeError("register_kv_caches must come before write_blocks")
     check_read(local_block_ids, remote_block_ids, transport.layout.num_blocks, remote.layout.num_blocks)
+    check_ranges(None, transport.layout.block_bytes, remote.layout.block_bytes)
     chosen = check_layers(layers, len(transport._layers))
     future = transport._pool.submit(send_write, transport, remote, list(local_block_ids),
                                     list(remote_block_ids), notification, chosen)

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrelay.kv_transfer.transport.base import KVTransport, RegionLayout, TransferHandle, TransferState
+from kvrelay.kv_transfer.transport.base import (
+    ByteRange,
+    KVTransport,
+    RegionLayout,
+    TransferHandle,
+    TransferState,
+    check_ranges,
+)
 
 _agents: dict[bytes, InProcessTransport] = {}  # NOTE: test-only registry of live transports
 _agents_lock = threading.Lock()
@@ -23,8 +30,9 @@ _agents_lock = threading.Lock()
 class _Read(TransferHandle):
     def __init__(self, transport: InProcessTransport, remote: InProcessTransport,
                  local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                 notification: bytes) -> None:
+                 notification: bytes, ranges: Sequence[ByteRange] | None = None) -> None:
         self._transport = transport
+        self._ranges = ranges
         self._remote = remote
         self._pairs = (list(local_block_ids), list(remote_block_ids))
         self._notification = notification
@@ -42,7 +50,9 @@ class _Read(TransferHandle):
         local, remote = self._pairs
         for name, kv in self._transport.kv_caches.items():
             src = self._remote.kv_caches[name]  # [num_blocks, 2, H_kv, block_size, D]
-            if local:
+            if local and self._ranges is not None:
+                self._copy_ranges(kv, src, local, remote)
+            elif local:
                 blocks = src[torch.tensor(remote)].clone()
                 if self._transport.corrupt_reads:
                     blocks[-1].add_(1.0)
@@ -50,6 +60,16 @@ class _Read(TransferHandle):
         self._remote.deliver(self._notification)
         self._state = TransferState.DONE
         return self._state
+
+    def _copy_ranges(self, kv: torch.Tensor, src: torch.Tensor, local: list[int], remote: list[int]) -> None:
+        assert self._ranges is not None
+        dst_bytes = kv.view(kv.shape[0], -1).view(torch.uint8)  # [num_blocks, block_bytes]
+        src_bytes = src.view(src.shape[0], -1).view(torch.uint8)  # [num_blocks, block_bytes]
+        for r in self._ranges:
+            got = src_bytes[remote, r.remote_offset:r.remote_offset + r.length].clone()  # [n, length]
+            if self._transport.corrupt_reads:
+                got[-1, 0] ^= 0xFF
+            dst_bytes[local, r.local_offset:r.local_offset + r.length] = got
 
     def release(self) -> None:
         if self._state == TransferState.PENDING:
@@ -100,11 +120,14 @@ class InProcessTransport(KVTransport):
         self.remotes.pop(remote_engine_id, None)
 
     def read_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
-                    remote_block_ids: Sequence[int], notification: bytes) -> TransferHandle:
+                    remote_block_ids: Sequence[int], notification: bytes,
+                    ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         remote = self.remotes.get(remote_engine_id)
         if remote is None:
             raise ValueError(f"unknown remote engine {remote_engine_id!r}")
-        return _Read(self, remote, local_block_ids, remote_block_ids, notification)
+        block_bytes = [next(iter(t.kv_caches.values()))[0].nbytes for t in (self, remote)]
+        checked = check_ranges(ranges, *block_bytes)
+        return _Read(self, remote, local_block_ids, remote_block_ids, notification, checked)
 
     def deliver(self, notification: bytes) -> None:
         with self._lock:

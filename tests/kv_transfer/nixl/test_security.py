@@ -177,6 +177,24 @@ def test_checksum_is_the_wrapping_sum_of_each_blocks_words_folded_over_layers(dt
     assert security.block_digests(kv, block_ids) == expected
 
 
+def test_checksum_of_a_head_slice_matches_the_same_heads_held_alone() -> None:
+    """P (2 heads a block) checksums head 1's K and V ranges; D, holding head 1 alone, checksums
+    its whole block: the same bytes, the same digest."""
+    import torch
+
+    p_kv = [torch.randn(6, 2, 2, 4, 16) for _ in range(2)]  # [num_blocks, 2, H_kv, block_size, D]
+    d_kv = [layer[:, :, 1:2].contiguous() for layer in p_kv]  # head 1 only
+    head_bytes = 4 * 16 * 4
+    p_ranges = [(head_bytes, head_bytes), (3 * head_bytes, head_bytes)]  # K and V of head 1
+    assert security.block_digests(p_kv, [3, 0], p_ranges) == security.block_digests(d_kv, [3, 0])
+    d_ranges = [(0, head_bytes), (head_bytes, head_bytes)]
+    assert security.block_digests(d_kv, [3, 0], d_ranges) == security.block_digests(d_kv, [3, 0])
+    p_kv[1][0, 0, 0, 0, 0] += 1.0  # head 0: outside the slice
+    assert security.block_digests(p_kv, [3, 0], p_ranges) == security.block_digests(d_kv, [3, 0])
+    p_kv[1][0, 1, 1, 0, 0] += 1.0  # head 1's V
+    assert security.block_digests(p_kv, [3, 0], p_ranges)[1] != security.block_digests(d_kv, [3, 0])[1]
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -249,3 +267,28 @@ def test_fingerprint_mismatch_is_refused_with_a_clear_error(make_pd, reference, 
     assert out.outputs[0].token_ids == reference_tokens(reference, {"fp": tokens}, 4)["fp"]
     assert "holds KV we cannot use (model differs: ours 'llama/L2/" in caplog.text
     assert "theirs 'llama/L3/" in caplog.text
+
+
+def test_a_pin_for_byte_ranges_outside_ps_blocks_is_refused(make_pd) -> None:
+    """A head-slice pin names (offset, length) ranges of P's blocks; P refuses ranges that leave
+    a block before it checksums anything."""
+    from kvrelay.kv_transfer.connectors.nixl_meta import LEASE_REFUSED, LeaseStatus, PinRequest
+    from kvrelay.kv_transfer.connectors.side_channel import decode
+
+    pd = make_pd()
+    tokens = prompt(2 * BLOCK_SIZE + 1, salt=25)
+    params = pd.prefill(tokens, "p-ranges")
+    assert params is not None
+    pd.p.step()  # P registers the lease
+    ctx = zmq.Context()
+    client = SideChannelClient(ctx, "127.0.0.1", params["remote_port"], security.load_keys(None).channel)
+    try:
+        pin = PinRequest(request_id=params["remote_request_id"], lease_id=params["remote_lease_id"],
+                         block_ids=params["remote_block_ids"], prompt_digest=security.prompt_digest(tokens),
+                         want_checksums=True, ranges=[(0, 64), (10**9, 64)])
+        status = decode(client.call("pin", pin, 5).body, LeaseStatus)
+        assert status.state == LEASE_REFUSED and "fall outside a block" in status.error
+    finally:
+        client.close()
+        ctx.term()
+    pd.decode({"ranges": (tokens, params)}, max_tokens=2)  # the lease still serves D's own read

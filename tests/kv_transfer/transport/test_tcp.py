@@ -408,6 +408,40 @@ def test_an_oversize_request_is_refused_before_its_body_is_read_and_the_connecti
     assert p.get_notifications() == []
 
 
+def send_range_read(sock: socket.socket, block_ids: list[int], ranges: list[tuple[int, int]],
+                    notification: bytes, num_ranges: int | None = None) -> None:
+    flat = [value for r in ranges for value in r]
+    sock.sendall(_READ.pack(b"RRNG", len(block_ids), len(notification))
+                 + struct.pack("!I", len(ranges) if num_ranges is None else num_ranges)
+                 + struct.pack(f"!{len(block_ids)}I", *block_ids) + struct.pack(f"!{len(flat)}I", *flat)
+                 + notification)
+
+
+def test_a_range_read_past_a_block_is_refused_and_an_honest_one_streams_only_its_ranges(owner):
+    p, p_kv = owner
+    block_bytes = p_kv[next(iter(p_kv))][0].numel() * 4
+    with raw_reader(p) as sock:
+        send_range_read(sock, [2], [(block_bytes - 8, 16)], b"bad:1")
+        assert "run past a block of" in read_refusal(sock)
+        send_range_read(sock, [2, 5], [(8, 16), (40, 8)], b"good:1")
+        assert _STATUS.unpack(sock.recv(_STATUS.size, socket.MSG_WAITALL)) == (0, 0)
+        received = bytearray(len(p_kv) * 2 * 24)
+        tcp._recv_views(sock, [memoryview(received)])
+        expected = b"".join(kv[b].numpy().tobytes()[offset:offset + length] for kv in p_kv.values()
+                            for b in (2, 5) for offset, length in ((8, 16), (40, 8)))
+        assert bytes(received) == expected
+        sock.sendall(b"A")
+        assert collect_notifications(p, 1) == [b"good:1"]
+
+
+def test_a_range_read_naming_too_many_ranges_is_refused_unread(owner):
+    p, _ = owner
+    with raw_reader(p) as sock:
+        send_range_read(sock, [0], [(0, 8)], b"r:1", num_ranges=tcp._MAX_RANGES + 1)
+        assert "byte ranges per block is over the limit" in read_refusal(sock)
+        assert hung_up(sock)
+
+
 def test_a_request_with_a_bad_magic_closes_the_connection(owner):
     p, _ = owner
     with raw_reader(p) as sock:

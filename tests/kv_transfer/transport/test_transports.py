@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from kvrelay.kv_transfer.transport import TransferState, create_transport
+from kvrelay.kv_transfer.transport.base import ByteRange
 from tests.kv_transfer.transport.helpers import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_BLOCKS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
     collect_notifications,
     finish,
     kv_caches,
@@ -86,6 +92,40 @@ def test_malformed_reads_are_refused_with_the_offending_ids(pair):
         d.read_blocks("engine-p", [0, 1], [0], b"req:1")
     with pytest.raises(ValueError, match=r"\[99\]"):
         d.read_blocks("engine-p", [0], [99], b"req:1")
+
+
+def test_a_read_by_byte_ranges_moves_one_kv_head_into_a_block_of_another_size(backend):
+    """P holds 2 KV heads a block, D 1 (a TP shard of twice the size): D reads P's head 1, K and V,
+    into its whole blocks; the P side is told once."""
+    p = create_transport(backend, "engine-p")
+    d = create_transport(backend, "engine-d")
+    try:
+        p_kv = kv_caches(seed=1)
+        generator = torch.Generator().manual_seed(3)
+        d_kv = {name: torch.randn(NUM_BLOCKS, 2, 1, BLOCK_SIZE, HEAD_DIM, generator=generator)
+                for name in p_kv}
+        layout = p.register_kv_caches(p_kv)
+        d.register_kv_caches(d_kv)
+        d.add_remote("engine-p", p.agent_metadata(), layout)
+        head_bytes = BLOCK_SIZE * HEAD_DIM * 4
+        ranges = [ByteRange(head_bytes, 0, head_bytes),  # K of head 1 -> K
+                  ByteRange((NUM_KV_HEADS + 1) * head_bytes, head_bytes, head_bytes)]  # V of head 1 -> V
+        handle = d.read_blocks("engine-p", [0, 5, 6], [7, 2, 3], b"req-slice:1", ranges=ranges)
+        assert finish(handle) == TransferState.DONE
+        for name in p_kv:
+            assert torch.equal(d_kv[name][[0, 5, 6]], p_kv[name][[7, 2, 3], :, 1:2])
+        assert collect_notifications(p, 1) == [b"req-slice:1"]
+        with pytest.raises(ValueError, match="whole-block read needs blocks of one size"):
+            d.read_blocks("engine-p", [0], [0], b"req:1")
+        with pytest.raises(ValueError, match="runs past a block"):
+            d.read_blocks("engine-p", [0], [0], b"req:1", ranges=[ByteRange(0, head_bytes, 2 * head_bytes)])
+        with pytest.raises(ValueError, match="overlap"):
+            d.read_blocks("engine-p", [0], [0], b"req:1",
+                          ranges=[ByteRange(0, 0, head_bytes), ByteRange(0, head_bytes // 2, head_bytes)])
+        assert len(d_kv) == NUM_LAYERS
+    finally:
+        d.close()
+        p.close()
 
 
 def test_a_remote_with_another_layout_is_refused(backend):
