@@ -17,7 +17,12 @@ Rows:
    one thread) for P tp 2 -> D tp 2, P tp 1 -> D tp 2 (each D rank reads its KV heads' slice of
    P's blocks) and P tp 2 -> D tp 1 (D reads from both P ranks), each against 1 -> 1. Four
    engines (P and D at tp 1 and 2) serve every pair; each request has a fresh prompt, so no
-   prefix-cache hit on either side, and the run checks that no pull failed (D recomputed nothing).
+   prefix-cache hit on either side, and the run checks that no pull failed (D recomputed nothing);
+4. vocab-parallel or replicated: SmolLM2's tied embedding / LM head (49152 x 576) at TP 2, two
+   gloo ranks of one thread each. kvrelay replicates both (rank 0 alone computes the logits, the
+   other rank waits at the next collective); the baseline splits the vocabulary (each rank half
+   the logits, gathered on rank 0; a masked lookup of half the table and an all-reduce of the
+   embeddings), at 1, 16 and 64 logit rows and 16 and 512 embedded tokens.
 
 Repetitions alternate between the measured engine and its baseline; medians are reported. The
 machine may be shared with other jobs: the ratios are what to read, not the absolute numbers.
@@ -229,10 +234,86 @@ def bench_pd_ttft(reps: int) -> list[str]:
             engine.shutdown()
 
 
+# ----------------------------------------------------------------------------- vocab-parallel or not
+
+
+def _vocab_rank(rank: int, port: int, reps: int, results: Any) -> None:
+    """One of two gloo ranks (one thread each): SmolLM2's embedding and LM head replicated
+    (kvrelay's choice: rank 0 alone computes the logits, the other rank waits at the next
+    collective) against vocab-parallel (each rank half the vocabulary, then a gather of the
+    logits to rank 0, or a masked lookup and an all-reduce of the embeddings)."""
+    import torch.distributed as dist
+
+    from kvrelay.model.layers import linear
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    hidden = 576
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(VOCAB, hidden, generator=gen)  # tied: embedding rows = LM head rows
+    lo, hi = rank * VOCAB // 2, (rank + 1) * VOCAB // 2
+    shard = table[lo:hi].contiguous()
+
+    def timed(fn: Any) -> float:
+        samples = []
+        for rep in range(reps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()  # the step ends when both ranks are done
+            if rep:
+                samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e3
+
+    rows = []
+    for batch in (1, 16, 64):
+        x = torch.randn(batch, hidden, generator=gen)
+
+        def replicated_head(x: torch.Tensor = x) -> None:
+            if rank == 0:
+                linear(x, table)
+
+        def parallel_head(x: torch.Tensor = x) -> None:
+            part = linear(x, shard)
+            parts = [torch.empty_like(part) for _ in range(2)] if rank == 0 else None
+            dist.gather(part, parts, dst=0)
+            if parts is not None:
+                torch.cat(parts, dim=-1)
+
+        rows.append(("LM head", batch, timed(replicated_head), timed(parallel_head)))
+    for tokens in (16, 512):
+        ids = torch.randint(0, VOCAB, (tokens,), generator=gen)
+
+        def replicated_embed(ids: torch.Tensor = ids) -> None:
+            table[ids]
+
+        def parallel_embed(ids: torch.Tensor = ids) -> None:
+            mine = (ids >= lo) & (ids < hi)
+            out = shard[(ids - lo).clamp(0, hi - lo - 1)] * mine[:, None]
+            dist.all_reduce(out)
+
+        rows.append(("embedding", tokens, timed(replicated_embed), timed(parallel_embed)))
+    if rank == 0:
+        results.extend(rows)
+    dist.destroy_process_group()
+
+
+def bench_vocab_parallel(reps: int) -> list[str]:
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.list()
+        mp.spawn(_vocab_rank, args=(free_port(), max(reps, 10), results), nprocs=2)
+        rows = list(results)
+    return [f"{what} at TP 2, {n} {'rows' if what == 'LM head' else 'tokens'} | replicated {rep:.2f} ms | "
+            f"vocab-parallel {par:.2f} ms | x{par / rep:.2f} (above 1: replicated is cheaper)"
+            for what, n, rep, par in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 repetitions of 4 steps")
-    parser.add_argument("--rows", default="overhead1,overhead64,tp,pd",
+    parser.add_argument("--rows", default="overhead1,overhead64,tp,pd,vocab",
                         help="which rows, comma-separated (default: all)")
     args = parser.parse_args()
     global STEPS
@@ -240,7 +321,8 @@ def main() -> None:
     print(f"# {cpu_summary()}; torch threads {torch.get_num_threads()}")
     print("measurement | value | baseline (same run) | ratio")
     benches = {"overhead1": lambda: bench_overhead(1, reps), "overhead64": lambda: bench_overhead(64, reps),
-               "tp": lambda: bench_tp_throughput(reps), "pd": lambda: bench_pd_ttft(reps)}
+               "tp": lambda: bench_tp_throughput(reps), "pd": lambda: bench_pd_ttft(reps),
+               "vocab": lambda: bench_vocab_parallel(reps)}
     for name in args.rows.split(","):
         for row in benches[name]():
             print(row, flush=True)
