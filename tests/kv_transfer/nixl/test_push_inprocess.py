@@ -147,6 +147,20 @@ def test_chunked_prefill_pushes_each_chunk_layer_by_layer(make_pair, spy, refere
     assert pair.d.get_stats()["prompt_tokens_computed"] == 1
 
 
+def test_checksums_folded_as_blocks_complete_match_d_across_unaligned_chunks_and_a_p_prefix_hit(
+        make_pair, reference) -> None:
+    """P folds each layer's final blocks into its checksums during the forward (a chunk's partial
+    last block only once the prompt is complete); D's full recount agrees on every block."""
+    pair, port = make_pair(p_batch=18)  # chunks end inside blocks
+    first = prompt(9 * BLOCK_SIZE + 3, 63)
+    second = [*first[:6 * BLOCK_SIZE], *prompt(3 * BLOCK_SIZE + 1, 64)]  # P's prefix cache hit
+    for rid, tokens in (("f1", first), ("f2", second)):
+        out = push(pair, port, rid, tokens)
+        assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    stats = pair.d.get_stats()
+    assert stats["prompt_tokens_computed"] == 2 and stats["kv_load_failures"] == 0
+
+
 def test_late_registration_gets_every_computed_layer_at_once(make_pair, spy, reference) -> None:
     pair, port = make_pair()
     tokens = prompt(4 * BLOCK_SIZE + 2, 62)

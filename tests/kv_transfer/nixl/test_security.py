@@ -5,7 +5,10 @@ reading KV that is not the prompt's."""
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -28,6 +31,9 @@ from kvrelay.kv_transfer.connectors.side_channel import (
 )
 from kvrelay.kv_transfer.factory import create_connector
 from tests.kv_transfer.nixl.pd import BLOCK_SIZE, free_port, prompt, reference_tokens
+
+if TYPE_CHECKING:
+    import torch
 
 SECRET = "s3cret-for-tests-0123456789"
 
@@ -175,6 +181,39 @@ def test_checksum_is_the_wrapping_sum_of_each_blocks_words_folded_over_layers(dt
             digest = (digest * 1000003 + sum(words)) % 2**64
         expected.append(digest - 2**64 if digest >= 2**63 else digest)
     assert security.block_digests(kv, block_ids) == expected
+
+
+def _random_layers(dtype: str, num_layers: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Random bytes viewed as `dtype`: every bit pattern, so the sums overflow and wrap."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    itemsize = torch.empty(0, dtype=torch_dtype).element_size()
+    layers = []
+    for _ in range(num_layers):
+        raw = torch.randint(0, 256, (shape[0], math.prod(shape[1:]) * itemsize), dtype=torch.uint8)
+        layers.append(raw.view(torch_dtype).view(shape))
+    return layers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "uint8"])
+def test_a_layer_by_layer_fold_equals_block_digests_bit_for_bit(dtype: str) -> None:
+    import torch
+
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    # uint8 with an odd head size: block bytes not a multiple of 8 (the widening path)
+    shape = (12, 2, 2, 4, 7) if dtype == "uint8" else (12, 2, 2, 4, 16)
+    kv = _random_layers(dtype, 5, shape)
+    block_ids = [7, 0, 1, 2, 9, 10, 4]
+    fold = security.DigestFold(kv, len(block_ids))
+    rng = random.Random(0)
+    for _ in range(20):  # layers finish blocks in any order and any number of steps
+        layer = rng.randrange(len(kv))
+        fold.fold(layer, block_ids, fold.folded[layer] + rng.randrange(3))
+    assert fold.digests(block_ids) == security.block_digests(kv, block_ids)
+    assert security.DigestFold(kv, len(block_ids)).digests(block_ids, first=3) == \
+        security.block_digests(kv, block_ids[3:])
 
 
 # ---------------------------------------------------------------- end to end
