@@ -83,6 +83,8 @@ class PushRegister(msgspec.Struct, kw_only=True):
     first_block: int
     block_ids: list[int]
     sent_at: float = 0.0  # unix time: P refuses a registration older than its transfer timeout
+    tp_size: int = 1  # D's tensor_parallel_size: P's rank r takes only D's rank r, at equal sizes
+    tp_rank: int = 0
 
 
 class PushRef(msgspec.Struct, array_like=True):

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from kvrelay.kv_transfer.connectors import security
@@ -179,6 +180,8 @@ class PushReceiver:
             self._results.count("params_rejected")
             self._fail_now(spec.req_id, f"refused its kv_transfer_params: {spec.rejected}")
             return
+        # NOTE: P's rank r listens on remote_port + r and pushes this rank's heads only.
+        spec = msgspec.structs.replace(spec, remote_port=spec.remote_port + self.identity.tp_rank)
         peer = self._peer_for(spec.remote_host, spec.remote_port)
         now = time.monotonic()
         recv = _Recv(spec, secrets.token_hex(12), deadline=now + self.config.transfer_timeout_seconds,
@@ -231,7 +234,7 @@ class PushReceiver:
             base_addresses=list(layout.base_addresses), device=layout.device, block_size=me.block_size,
             fingerprint_digest=me.fingerprint_digest, prompt_digest=spec.prompt_digest,
             num_prompt_tokens=spec.num_prompt_tokens, first_block=spec.first_block,
-            block_ids=list(spec.local_block_ids), sent_at=time.time())
+            block_ids=list(spec.local_block_ids), sent_at=time.time(), tp_size=me.tp_size, tp_rank=me.tp_rank)
         with self._send_lock:
             if recv.registration_id in self._given_up:
                 return
@@ -326,12 +329,18 @@ class PushReceiver:
         if mode != "push":
             return (f"{where} runs transfer_mode {mode!r} (NixlConnector) and this decode instance "
                     "'push' (NixlPushConnector): run both with the same kv_connector")
+        # NOTE: before the fingerprint, which covers the TP mapping and would hide the reason
+        if reply.tp_size != me.tp_size:
+            return (f"{where} runs tensor_parallel_size {reply.tp_size} and this decode instance "
+                    f"{me.tp_size}: NixlPushConnector pushes between equal sizes only (rank r to rank r); "
+                    "configure both instances with the same tensor_parallel_size")
         if reply.fingerprint_digest != me.fingerprint_digest:
             return f"{where} runs another model or KV format ({reply.fingerprint}, ours {me.fingerprint})"
         mismatches = [(name, theirs, ours) for name, theirs, ours in (
             ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
             ("num_layers", len(reply.layer_names), len(me.layout.layer_names)),
-            ("block_bytes", reply.block_bytes, me.layout.block_bytes)) if theirs != ours]
+            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_rank", reply.tp_rank, me.tp_rank))
+            if theirs != ours]
         if mismatches:
             text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)
             return f"{where} has an incompatible KV layout ({text}); configure both instances alike"

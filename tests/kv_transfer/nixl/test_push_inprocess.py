@@ -250,15 +250,6 @@ def test_bad_push_settings_are_refused_naming_the_key() -> None:
         make_engine(push_config("kv_producer", "tcp", layer_wise=True))
 
 
-def test_push_refuses_what_it_cannot_do_before_any_worker_starts() -> None:
-    """Per-rank push is not built: refused by name."""
-    from kvrelay import LLM
-    from tests.tiny import tiny_loaded_model
-    with pytest.raises(ValueError, match="NixlPushConnector runs at tensor_parallel_size=1 only, got 2"):
-        LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=32, tensor_parallel_size=2,
-            kv_transfer_config=push_config("kv_producer", "tcp"))
-
-
 def test_a_full_local_hit_on_d_lets_p_free_at_once(make_pair, spy, reference) -> None:
     pair, port = make_pair()
     base = prompt(3 * BLOCK_SIZE, 70)
