@@ -27,7 +27,7 @@ import secrets
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,8 +72,9 @@ class BlockGuard:
     """The write guard of a transport that sees writes: admits a write only into blocks one
     live registration owns, and counts admitted writes until they are done."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_landed: Callable[[str, Sequence[int], Sequence[int]], None] | None = None) -> None:
         self._lock = threading.Lock()
+        self._on_landed = on_landed  # (registration id, block ids, layers), on the writer's thread
         self._owner: dict[int, str] = {}  # block id -> registration id
         self._in_flight: dict[str, int] = defaultdict(int)
         self._admitted: dict[tuple[int, ...], list[str]] = defaultdict(list)
@@ -104,6 +105,13 @@ class BlockGuard:
             self._in_flight[owner] += 1
             self._admitted[tuple(block_ids)].append(owner)
             return None
+
+    def landed(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        if not block_ids or self._on_landed is None:
+            return
+        with self._lock:
+            owner = self._admitted[tuple(block_ids)][-1]
+        self._on_landed(owner, block_ids, layers)
 
     def done(self, block_ids: Sequence[int], notification: bytes) -> None:
         if not block_ids:
@@ -144,6 +152,7 @@ class _Recv:
     safe_after: float = float("inf")
     aborted: bool = False
     failure: str = ""
+    landed: security.LandedSums | None = None  # checksum sums of the writes as they land (TCP)
 
 
 class PushReceiver:
@@ -155,8 +164,8 @@ class PushReceiver:
         self.config = config
         self.channel_key = channel_key
         self.kv_layers = list(kv_layers)
-        self.guard = BlockGuard()
         self.sees_writes = transport.name == "tcp"  # NOTE: its guard refuses stray writes itself
+        self.guard = BlockGuard(self._on_landed if self.sees_writes else None)
         transport.set_write_guard(self.guard)
         self._ctx = zmq.Context()
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -189,6 +198,8 @@ class PushReceiver:
         if spec.notify_only:  # a full local hit: register nothing, so P frees at once
             peer.thread.submit(functools.partial(self._register_job, recv=recv, reply_event=False))
             return
+        if self.sees_writes and self.config.verify_checksum:
+            recv.landed = security.LandedSums(self.kv_layers, spec.local_block_ids)
         self._recvs[spec.req_id] = recv
         self._by_registration[recv.registration_id] = recv
         self.guard.open(recv.registration_id, spec.local_block_ids)
@@ -439,7 +450,10 @@ class PushReceiver:
         results.count("seconds_loading", time.monotonic() - recv.started)
         if recv.aborted or not self.config.verify_checksum:
             return
-        local = security.block_digests(self.kv_layers, spec.local_block_ids)
+        # NOTE: where D saw every write land, their sums were taken then: only combining is left
+        local = recv.landed.digests() if recv.landed is not None else None
+        if local is None:
+            local = security.block_digests(self.kv_layers, spec.local_block_ids)
         bad = ([b for b, got, want in zip(spec.local_block_ids, local, checksums, strict=True) if got != want]
                if len(checksums) == len(local) else list(spec.local_block_ids))
         if bad:
@@ -448,6 +462,18 @@ class PushReceiver:
             results.invalid_block_ids.update(bad)
             results.count("checksum_failures")
             results.count("load_failures")
+
+    def _on_landed(self, registration_id: str, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        """A transport thread: a write for the registration landed; take its checksum sums now."""
+        recv = self._by_registration.get(registration_id)
+        landed = recv.landed if recv is not None else None
+        if recv is None or landed is None:
+            return
+        try:
+            landed.record(block_ids, layers)
+        except Exception:  # NOTE: never break the write: the completing write counts it all again
+            logger.exception("NixlPushConnector: cannot sum a landed write; verifying at the end instead")
+            recv.landed = None
 
     # ---------------------------------------------------------------- failures
 

@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -247,6 +248,47 @@ class DigestFold:
         for layer in range(len(self.kv_layers)):
             self.fold(layer, block_ids, self.num_blocks)
         return [int(x) for x in self._totals[first:].tolist()]
+
+
+class LandedSums:
+    """`block_digests` of a receiver's blocks, from each layer's word sums taken as writes land.
+
+    A receiver that sees every write land (the TCP push) records the sums of the bytes just
+    written; a block written again (a chunk's partial last block) simply replaces its sums. At
+    the completing write only the combination is left, not a pass over every layer's bytes.
+    Writes may land on several threads at once.
+    """
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+        import numpy as np
+
+        self.kv_layers = kv_layers
+        self._position = {b: i for i, b in enumerate(block_ids)}
+        # NOTE: numpy, not torch: written on transport threads, where a tensor made under the
+        # engine's inference mode may not be updated in place
+        self._sums = np.zeros((len(kv_layers), len(block_ids)), dtype=np.int64)  # [L, n]
+        self._landed = np.zeros((len(kv_layers), len(block_ids)), dtype=bool)  # [L, n]
+        self._lock = threading.Lock()
+
+    def record(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        """The bytes of `layers` x `block_ids` just landed (all of them are this receiver's)."""
+        positions = [self._position[b] for b in block_ids]
+        sums = [_layer_sums(self.kv_layers[layer], block_ids).cpu().numpy() for layer in layers]  # each [n]
+        with self._lock:
+            for layer, layer_sums in zip(layers, sums, strict=True):
+                self._sums[layer, positions] = layer_sums
+                self._landed[layer, positions] = True
+
+    def digests(self) -> list[int] | None:
+        """The blocks' digests, or None when some layer of some block never landed."""
+        import numpy as np
+
+        with self._lock:
+            if not bool(self._landed.all()):
+                return None
+            weights = np.array(_layer_weights(len(self.kv_layers)), dtype=np.int64)  # [L]
+            total = (self._sums * weights[:, None]).sum(axis=0)  # [n], wrapping like block_digests
+        return [int(x) for x in total.tolist()]
 
 
 def _layer_weights(num_layers: int) -> list[int]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.kv_transfer.connectors import nixl_worker
+from kvrelay.kv_transfer.connectors import nixl_worker, security
 from kvrelay.kv_transfer.connectors.nixl_push_meta import PushNotification
 from kvrelay.kv_transfer.transport.base import FinishedTransfer
 from kvrelay.worker import forward_context
@@ -147,10 +147,15 @@ def test_chunked_prefill_pushes_each_chunk_layer_by_layer(make_pair, spy, refere
     assert pair.d.get_stats()["prompt_tokens_computed"] == 1
 
 
-def test_checksums_folded_as_blocks_complete_match_d_across_unaligned_chunks_and_a_p_prefix_hit(
-        make_pair, reference) -> None:
+def test_checksums_taken_before_the_last_write_agree_across_unaligned_chunks_and_a_p_prefix_hit(
+        make_pair, reference, monkeypatch) -> None:
     """P folds each layer's final blocks into its checksums during the forward (a chunk's partial
-    last block only once the prompt is complete); D's full recount agrees on every block."""
+    last block only once the prompt is complete); D (TCP: it sees each write land) sums every
+    write as it lands. Neither recounts all the KV at the end, and they agree on every block."""
+    def no_full_recount(*args: Any) -> list[int]:
+        raise AssertionError("block_digests over all layers ran at the completing write")
+
+    monkeypatch.setattr(security, "block_digests", no_full_recount)
     pair, port = make_pair(p_batch=18)  # chunks end inside blocks
     first = prompt(9 * BLOCK_SIZE + 3, 63)
     second = [*first[:6 * BLOCK_SIZE], *prompt(3 * BLOCK_SIZE + 1, 64)]  # P's prefix cache hit

@@ -216,6 +216,19 @@ def test_a_layer_by_layer_fold_equals_block_digests_bit_for_bit(dtype: str) -> N
         security.block_digests(kv, block_ids[3:])
 
 
+def test_sums_taken_as_writes_land_equal_block_digests_and_a_rewrite_replaces_its_sums() -> None:
+    kv = _random_layers("bfloat16", 3, (10, 2, 2, 4, 16))
+    block_ids = [6, 2, 3, 8]
+    landed = security.LandedSums(kv, block_ids)
+    landed.record([2, 3], [0, 1, 2])
+    assert landed.digests() is None  # blocks 6 and 8 never landed
+    landed.record([8, 6], [2])
+    landed.record([6, 8], [0, 1])
+    kv[1][8].view(-1)[5] += 1  # a block written again (a chunk's partial last block) ...
+    landed.record([8], [1])  # ... replaces its sums for that layer
+    assert landed.digests() == security.block_digests(kv, block_ids)
+
+
 # ---------------------------------------------------------------- end to end
 
 
