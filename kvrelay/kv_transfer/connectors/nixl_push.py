@@ -40,11 +40,13 @@ Side-channel messages (D -> P; authenticated as for a pull, see side_channel.py)
 A pull D paired with a push P (or the reverse) is refused at the handshake, naming both modes;
 the request then follows the failure policy (`kv_load_failure_policy`).
 
-Tensor parallelism (not built here): each P rank would register with and write to the D ranks
-owning its heads; a rank's side channel is kv_port + tp_rank, a registration would carry the D
-rank's head range, and P's per-layer write would address the head slice inside each block (heads
-are outer within a block, so a slice is contiguous). D reports a receive finished when every
-rank's notification arrived.
+Tensor parallelism, equal sizes on both sides: every rank runs its own sender or receiver over
+its own KV shard. P's rank r listens on kv_port + tp_rank; D's rank r registers its blocks with
+P's rank r, which writes its heads into them and notifies with its own checksums, verified on
+D's rank r. The executor's aggregator settles a request only when every rank reported it: D's
+receive fails (and the failure policy applies, once) if any rank's push failed, and P frees a
+request when every rank's push ended. Unequal sizes are refused at D's handshake, naming both
+(a rank with no peer rank on P waits out transfer_timeout_seconds before it reports).
 """
 
 from __future__ import annotations
@@ -124,15 +126,18 @@ class PushWorker:
         self.layout = self.transport.register_kv_caches({name: kv_caches[name] for name in names})
         if self.transfer_config.is_producer:
             self.sender = PushSender(self.transport, self.kv_spec, self.layout, self.nixl_config, kv_layers)
+            # NOTE: one side channel per rank, on kv_port + tp_rank: D's rank r registers with P's rank r.
             self.server = SideChannelServer(
-                self.transfer_config.kv_ip, self.transfer_config.kv_port, self.keys.channel, self.instance_id,
+                self.transfer_config.kv_ip, self.transfer_config.kv_port + self.kv_spec.tp_rank,
+                self.keys.channel, self.instance_id,
                 {"handshake": self._on_handshake, "push_register": self._on_register,
                  "push_heartbeat": self._on_heartbeat, "push_cancel": self._on_cancel})
         if self.transfer_config.is_consumer:
             identity = LocalIdentity(
                 engine_id=self.transfer_config.engine_id, backend=self.nixl_config.backend,
                 block_size=self.kv_spec.block_size, fingerprint_digest=self.kv_spec.fingerprint_digest(),
-                fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout)
+                fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout,
+                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size)
             self.receiver = PushReceiver(self.transport, identity, self.instance_id, self.nixl_config,
                                          self.keys.channel, kv_layers)
 
@@ -187,7 +192,8 @@ class PushWorker:
             device=layout.device, block_size=self.kv_spec.block_size,
             fingerprint_digest=self.kv_spec.fingerprint_digest(), fingerprint=dict(self.kv_spec.fingerprint),
             lease_seconds=self.nixl_config.lease_seconds, transfer_mode="push",
-            transfer_timeout_seconds=self.nixl_config.transfer_timeout_seconds)
+            transfer_timeout_seconds=self.nixl_config.transfer_timeout_seconds,
+            tp_size=self.kv_spec.tp_size, tp_rank=self.kv_spec.tp_rank)
 
     def _on_register(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None and self.layout is not None
@@ -198,6 +204,10 @@ class PushWorker:
         assert self.layout is not None
         if request.fingerprint_digest != self.kv_spec.fingerprint_digest():
             return "the decode instance runs another model or KV format"
+        if (request.tp_size, request.tp_rank) != (self.kv_spec.tp_size, self.kv_spec.tp_rank):
+            return (f"the registration comes from rank {request.tp_rank} of a tensor_parallel_size "
+                    f"{request.tp_size} decode instance; this is rank {self.kv_spec.tp_rank} of "
+                    f"tensor_parallel_size {self.kv_spec.tp_size} (push needs equal sizes, rank to rank)")
         theirs = (request.backend, request.block_size, len(request.layer_names), request.block_bytes)
         ours = (self.nixl_config.backend, self.kv_spec.block_size, len(self.layout.layer_names),
                 self.layout.block_bytes)
@@ -234,9 +244,6 @@ class PushWorker:
 class NixlPushConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         super().__init__(config, role, kv_spec)
-        if kv_spec.tp_size > 1:  # NOTE: per-rank push (P rank r -> the D ranks owning its heads) is not built
-            raise ValueError(f"NixlPushConnector runs at tensor_parallel_size=1 only, got {kv_spec.tp_size}; "
-                             "use NixlConnector (pull) for tensor-parallel instances")
         self.nixl_config = cast(PushConfig, PushConfig.from_extra_config(self.extra_config))
         self.keys = security.load_keys(self.nixl_config.secret_file)
         security.check_kv_ip(self.transfer_config.kv_ip, self.keys, warn=role == KVConnectorRole.WORKER)
@@ -244,7 +251,7 @@ class NixlPushConnector(KVConnectorBase):
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = NixlPushScheduler(self.transfer_config, self.nixl_config, self.keys,
-                                                kv_spec.block_size)
+                                                kv_spec.block_size, kv_spec.tp_size)
         else:
             self._worker = PushWorker(self)
 

@@ -87,6 +87,8 @@ class PushRegister(msgspec.Struct, kw_only=True):
     # even when its own timeout or lease is longer (0: not stated, P's own apply)
     max_age_s: float = 0.0  # P takes this registration (and its heartbeats) no older than this
     max_lease_s: float = 0.0  # P's lease on the registration: at most this from each renewal
+    tp_size: int = 1  # D's tensor_parallel_size: P's rank r takes only D's rank r, at equal sizes
+    tp_rank: int = 0
 
 
 class PushRef(msgspec.Struct, array_like=True):

@@ -16,6 +16,11 @@ can land in the blocks: the write guard (transports that see writes: TCP) stops 
 at once and D waits for the admitted ones; otherwise (NIXL) D waits for P's "cancelled" or, when P
 does not answer, for the registration's lease to run out (its last renewal, plus the lease, plus
 a write's time bound).
+
+The checksums: where D sees each write land (TCP), the write guard hands every landed write to
+`_on_landed`, which takes that write's per-layer block sums at once (`security.LandedSums`), so
+the completing write only combines them. One-sided transports (NIXL, Mooncake) write without D
+knowing, so there D counts every layer of every block when the notification arrives.
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ import queue
 import secrets
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, HandshakeRequest
 from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, PullResults
+from kvrelay.kv_transfer.connectors.nixl_push_guard import BlockGuard
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PUSH_CANCELLED,
     PUSH_CANCELLING,
@@ -67,56 +73,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class BlockGuard:
-    """The write guard of a transport that sees writes: admits a write only into blocks one
-    live registration owns, and counts admitted writes until they are done."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: dict[int, str] = {}  # block id -> registration id
-        self._in_flight: dict[str, int] = defaultdict(int)
-        self._admitted: dict[tuple[int, ...], list[str]] = defaultdict(list)
-
-    def open(self, registration_id: str, block_ids: Sequence[int]) -> None:
-        with self._lock:
-            for block_id in block_ids:
-                self._owner[block_id] = registration_id
-
-    def close(self, registration_id: str) -> None:
-        """Admit no more writes for the registration (those admitted still count)."""
-        with self._lock:
-            self._owner = {b: r for b, r in self._owner.items() if r != registration_id}
-
-    def in_flight(self, registration_id: str) -> int:
-        with self._lock:
-            return self._in_flight.get(registration_id, 0)
-
-    def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
-        if not block_ids:
-            return None  # only a notification: D matches it against a live registration itself
-        with self._lock:
-            owners = {self._owner.get(b) for b in block_ids}
-            if len(owners) != 1 or None in owners:
-                return f"blocks {sorted(block_ids)[:8]} are not registered for one push here"
-            (owner,) = owners
-            assert owner is not None
-            self._in_flight[owner] += 1
-            self._admitted[tuple(block_ids)].append(owner)
-            return None
-
-    def done(self, block_ids: Sequence[int], notification: bytes) -> None:
-        if not block_ids:
-            return
-        with self._lock:
-            key = tuple(block_ids)
-            owner = self._admitted[key].pop()
-            if not self._admitted[key]:
-                del self._admitted[key]
-            self._in_flight[owner] -= 1
-            if not self._in_flight[owner]:
-                del self._in_flight[owner]
-
-
 @dataclass
 class _Peer:
     host: str
@@ -143,6 +99,7 @@ class _Recv:
     safe_after: float = float("inf")
     aborted: bool = False
     failure: str = ""
+    landed: security.LandedSums | None = None  # checksum sums of the writes as they land (TCP)
 
 
 class PushReceiver:
@@ -154,8 +111,8 @@ class PushReceiver:
         self.config = config
         self.channel_key = channel_key
         self.kv_layers = list(kv_layers)
-        self.guard = BlockGuard()
         self.sees_writes = transport.name == "tcp"  # NOTE: its guard refuses stray writes itself
+        self.guard = BlockGuard(self._on_landed if self.sees_writes else None)
         transport.set_write_guard(self.guard)
         self._ctx = zmq.Context()
         self._peers: dict[tuple[str, int], _Peer] = {}
@@ -179,6 +136,8 @@ class PushReceiver:
             self._results.count("params_rejected")
             self._fail_now(spec.req_id, f"refused its kv_transfer_params: {spec.rejected}")
             return
+        # NOTE: P's rank r listens on remote_port + r and pushes this rank's heads only.
+        spec = msgspec.structs.replace(spec, remote_port=spec.remote_port + self.identity.tp_rank)
         peer = self._peer_for(spec.remote_host, spec.remote_port)
         now = time.monotonic()
         recv = _Recv(spec, secrets.token_hex(12), deadline=now + self.config.transfer_timeout_seconds,
@@ -186,6 +145,8 @@ class PushReceiver:
         if spec.notify_only:  # a full local hit: register nothing, so P frees at once
             peer.thread.submit(functools.partial(self._register_job, recv=recv, reply_event=False))
             return
+        if self.sees_writes and self.config.verify_checksum:
+            recv.landed = security.LandedSums(self.kv_layers, spec.local_block_ids)
         self._recvs[spec.req_id] = recv
         self._by_registration[recv.registration_id] = recv
         self.guard.open(recv.registration_id, spec.local_block_ids)
@@ -231,7 +192,7 @@ class PushReceiver:
             base_addresses=list(layout.base_addresses), device=layout.device, block_size=me.block_size,
             fingerprint_digest=me.fingerprint_digest, prompt_digest=spec.prompt_digest,
             num_prompt_tokens=spec.num_prompt_tokens, first_block=spec.first_block,
-            block_ids=list(spec.local_block_ids), sent_at=time.time(),
+            block_ids=list(spec.local_block_ids), sent_at=time.time(), tp_size=me.tp_size, tp_rank=me.tp_rank,
             max_age_s=self.config.transfer_timeout_seconds, max_lease_s=self._lease_bound())
         with self._send_lock:
             if recv.registration_id in self._given_up:
@@ -328,12 +289,18 @@ class PushReceiver:
         if mode != "push":
             return (f"{where} runs transfer_mode {mode!r} (NixlConnector) and this decode instance "
                     "'push' (NixlPushConnector): run both with the same kv_connector")
+        # NOTE: before the fingerprint, which covers the TP mapping and would hide the reason
+        if reply.tp_size != me.tp_size:
+            return (f"{where} runs tensor_parallel_size {reply.tp_size} and this decode instance "
+                    f"{me.tp_size}: NixlPushConnector pushes between equal sizes only (rank r to rank r); "
+                    "configure both instances with the same tensor_parallel_size")
         if reply.fingerprint_digest != me.fingerprint_digest:
             return f"{where} runs another model or KV format ({reply.fingerprint}, ours {me.fingerprint})"
         mismatches = [(name, theirs, ours) for name, theirs, ours in (
             ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
             ("num_layers", len(reply.layer_names), len(me.layout.layer_names)),
-            ("block_bytes", reply.block_bytes, me.layout.block_bytes)) if theirs != ours]
+            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_rank", reply.tp_rank, me.tp_rank))
+            if theirs != ours]
         if mismatches:
             text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)
             return f"{where} has an incompatible KV layout ({text}); configure both instances alike"
@@ -432,7 +399,10 @@ class PushReceiver:
         results.count("seconds_loading", time.monotonic() - recv.started)
         if recv.aborted or not self.config.verify_checksum:
             return
-        local = security.block_digests(self.kv_layers, spec.local_block_ids)
+        # NOTE: where D saw every write land, their sums were taken then: only combining is left
+        local = recv.landed.digests() if recv.landed is not None else None
+        if local is None:
+            local = security.block_digests(self.kv_layers, spec.local_block_ids)
         bad = ([b for b, got, want in zip(spec.local_block_ids, local, checksums, strict=True) if got != want]
                if len(checksums) == len(local) else list(spec.local_block_ids))
         if bad:
@@ -441,6 +411,18 @@ class PushReceiver:
             results.invalid_block_ids.update(bad)
             results.count("checksum_failures")
             results.count("load_failures")
+
+    def _on_landed(self, registration_id: str, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        """A transport thread: a write for the registration landed; take its checksum sums now."""
+        recv = self._by_registration.get(registration_id)
+        landed = recv.landed if recv is not None else None
+        if recv is None or landed is None:
+            return
+        try:
+            landed.record(block_ids, layers)
+        except Exception:  # NOTE: never break the write: the completing write counts it all again
+            logger.exception("NixlPushConnector: cannot sum a landed write; verifying at the end instead")
+            recv.landed = None
 
     # ---------------------------------------------------------------- failures
 

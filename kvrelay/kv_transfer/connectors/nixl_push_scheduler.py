@@ -66,8 +66,9 @@ class _Producing:
 
 class NixlPushScheduler:
     def __init__(self, transfer_config: KVTransferConfig, nixl_config: NixlConfig,
-                 keys: security.Keys, block_size: int) -> None:
+                 keys: security.Keys, block_size: int, tp_size: int = 1) -> None:
         self.transfer_config = transfer_config
+        self.tp_size = tp_size
         self.nixl_config = nixl_config
         self.keys = keys
         self.block_size = block_size
@@ -158,7 +159,7 @@ class NixlPushScheduler:
             "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
             "remote_engine_id": self.transfer_config.engine_id, "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids[:_cdiv(request.num_prompt_tokens, self.block_size)]),
-            "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": 1,
+            "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": self.tp_size,
             "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
             "remote_lease_id": make_lease_id(now_ms), "remote_lease_expiry_ms": now_ms + 1000}
         out["signature"] = security.sign_params(out, request.prompt_token_ids, self.keys.params)

@@ -11,7 +11,9 @@ thread then writes:
                            next chunk
     late registration      everything computed so far at once, then layer by layer
     completing write       once every earlier write of the job is done, the last one carries
-                           the notification (P's checksums of the pushed blocks)
+                           the notification (P's checksums of the pushed blocks; each
+                           layer's share was folded in by save_kv_layer as its blocks became
+                           final, so only the last layer's share is left on the critical path)
 
 NOTE: the safety of D's blocks. P starts no write for a registration that was cancelled or
 whose lease ran out (D renews it with heartbeats), and says "cancelled" only when none of its
@@ -105,6 +107,7 @@ class _Job:
     finished: bool = False
     complete: bool = False
     hold_expires: float = float("inf")
+    digests: security.DigestFold | None = None  # P's checksums, folded in as blocks become final
 
 
 class PushSender:
@@ -140,6 +143,7 @@ class PushSender:
                 moved = job.block_ids != step.block_ids[:len(job.block_ids)]
                 if step.num_computed_before < job.ready or moved:
                     job.sent = [0] * self.num_layers  # preempted and recomputed: send it all again
+                    job.digests = None
                 job.block_ids = list(step.block_ids)
                 job.ready, job.step_end, job.started = step.num_computed_before, step.num_computed_after, True
                 self._active.append(job)
@@ -154,8 +158,20 @@ class PushSender:
     def save_layer(self, layer: int) -> None:
         for job in self._active:
             job.layers_computed += 1
-            if job.step_end is not None and self.config.layerwise:
-                self._push(job, [layer], job.step_end)
+            if job.step_end is not None:
+                self._fold(job, layer, job.step_end)
+                if self.config.layerwise:
+                    self._push(job, [layer], job.step_end)
+
+    def _fold(self, job: _Job, layer: int, upto: int) -> None:
+        """Fold `layer`'s blocks that are final at `upto` tokens into the job's checksums, so the
+        completing write has only the last layer's share left to add."""
+        num_prompt_blocks = _cdiv(job.num_prompt_tokens, self.block_size)
+        if job.digests is None:
+            job.digests = security.DigestFold(self.kv_layers, num_prompt_blocks)
+        # NOTE: a partial last block changes until the prompt is complete; fold it only then
+        final = num_prompt_blocks if upto >= job.num_prompt_tokens else upto // self.block_size
+        job.digests.fold(layer, job.block_ids, final)
 
     def end_step(self) -> None:
         """wait_for_save: a step's writes finish before the next step may rewrite the pages.
@@ -240,8 +256,9 @@ class PushSender:
         if final:
             if not self._settle_writes(job):
                 return
-            pushed = job.block_ids[req.first_block:num_prompt_blocks]
-            checksums = security.block_digests(self.kv_layers, pushed)
+            if job.digests is None:
+                job.digests = security.DigestFold(self.kv_layers, num_prompt_blocks)
+            checksums = job.digests.digests(job.block_ids, req.first_block)
             notification = PushNotification(job.transfer_id, req.registration_id, checksums).encode()
         local = job.block_ids[start:end] if end > start else []
         remote = req.block_ids[start - req.first_block:end - req.first_block] if end > start else []

@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -188,6 +189,9 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+_FOLD = 1000003  # a block's digest is Horner's rule over its per-layer word sums
+
+
 def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int],
                   ranges: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """One 64-bit checksum per block over every layer's bytes of it (K and V), or with `ranges`
@@ -200,20 +204,22 @@ def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int],
     or missing write, or the wrong block changes it; a permutation of words inside one block does
     not, which no transport failure produces. It detects corruption, not an adversary: integrity
     against an adversary comes from the authenticated side channel.
+
+    Folded over layers as `digest = digest * 1000003 + layer_sum` (mod 2**64), which equals
+    `sum(layer_sum[l] * 1000003**(L-1-l))`: each layer's share is independent of the others, so
+    `DigestFold` can add them one layer at a time, in any order, to the same result.
     """
     import torch
 
     if not block_ids:
         return []
-    runs = _runs(block_ids)  # in block_ids order, so the concatenated sums line up with it
     total = torch.zeros(len(block_ids), dtype=torch.int64, device=kv_layers[0].device)
     for kv in kv_layers:
         if ranges is not None:
             layer_sum = _word_sums(_gather_ranges(kv, block_ids, ranges))  # [n]
         else:
-            sums = [_word_sums(kv[a:b]) for a, b in runs]  # each [b - a]
-            layer_sum = sums[0] if len(sums) == 1 else torch.cat(sums)  # [n]
-        total = total * 1000003 + layer_sum
+            layer_sum = _layer_sums(kv, block_ids)  # [n]
+        total = total * _FOLD + layer_sum
     return [int(x) for x in total.tolist()]
 
 
@@ -225,6 +231,98 @@ def _gather_ranges(kv: torch.Tensor, block_ids: Sequence[int],
     raw = kv.reshape(kv.shape[0], -1).view(torch.uint8)  # [num_blocks, block_bytes]
     ids = torch.tensor(list(block_ids), device=kv.device)  # [n]
     return torch.cat([raw[ids, offset:offset + length] for offset, length in ranges], dim=1)  # [n, sum]
+
+
+class DigestFold:
+    """`block_digests` of a prompt's blocks, built one layer's share at a time.
+
+    A sender folds each layer's blocks in as soon as they are final (all their tokens computed),
+    so when the last layer is done only that layer's share is left, instead of a pass over every
+    layer's bytes on the critical path. Blocks are positions in the prompt (0 = its first block);
+    every layer folds a growing prefix of them. The result is bit-identical to `block_digests`.
+    """
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], num_blocks: int) -> None:
+        import torch
+
+        self.kv_layers = kv_layers
+        self.num_blocks = num_blocks
+        self.folded = [0] * len(kv_layers)  # per layer: leading blocks already added
+        self._weights = _layer_weights(len(kv_layers))
+        self._totals = torch.zeros(num_blocks, dtype=torch.int64, device=kv_layers[0].device)  # [num_blocks]
+
+    def fold(self, layer: int, block_ids: Sequence[int], upto: int) -> None:
+        """Add `layer`'s share of prompt blocks [folded, upto); `block_ids` maps them to the pool."""
+        start, upto = self.folded[layer], min(upto, self.num_blocks)
+        if upto <= start:
+            return
+        sums = _layer_sums(self.kv_layers[layer], block_ids[start:upto])  # [upto - start]
+        self._totals[start:upto] += sums * self._weights[layer]
+        self.folded[layer] = upto
+
+    def digests(self, block_ids: Sequence[int], first: int = 0) -> list[int]:
+        """Digests of prompt blocks [first, num_blocks), folding in whatever is still missing."""
+        for layer in range(len(self.kv_layers)):
+            self.fold(layer, block_ids, self.num_blocks)
+        return [int(x) for x in self._totals[first:].tolist()]
+
+
+class LandedSums:
+    """`block_digests` of a receiver's blocks, from each layer's word sums taken as writes land.
+
+    A receiver that sees every write land (the TCP push) records the sums of the bytes just
+    written; a block written again (a chunk's partial last block) simply replaces its sums. At
+    the completing write only the combination is left, not a pass over every layer's bytes.
+    Writes may land on several threads at once.
+    """
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+        import numpy as np
+
+        self.kv_layers = kv_layers
+        self._position = {b: i for i, b in enumerate(block_ids)}
+        # NOTE: numpy, not torch: written on transport threads, where a tensor made under the
+        # engine's inference mode may not be updated in place
+        self._sums = np.zeros((len(kv_layers), len(block_ids)), dtype=np.int64)  # [L, n]
+        self._landed = np.zeros((len(kv_layers), len(block_ids)), dtype=bool)  # [L, n]
+        self._lock = threading.Lock()
+
+    def record(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        """The bytes of `layers` x `block_ids` just landed (all of them are this receiver's)."""
+        positions = [self._position[b] for b in block_ids]
+        sums = [_layer_sums(self.kv_layers[layer], block_ids).cpu().numpy() for layer in layers]  # each [n]
+        with self._lock:
+            for layer, layer_sums in zip(layers, sums, strict=True):
+                self._sums[layer, positions] = layer_sums
+                self._landed[layer, positions] = True
+
+    def digests(self) -> list[int] | None:
+        """The blocks' digests, or None when some layer of some block never landed."""
+        import numpy as np
+
+        with self._lock:
+            if not bool(self._landed.all()):
+                return None
+            weights = np.array(_layer_weights(len(self.kv_layers)), dtype=np.int64)  # [L]
+            total = (self._sums * weights[:, None]).sum(axis=0)  # [n], wrapping like block_digests
+        return [int(x) for x in total.tolist()]
+
+
+def _layer_weights(num_layers: int) -> list[int]:
+    """Layer l's multiplier 1000003**(L-1-l) mod 2**64, as the signed int64 torch multiplies by."""
+    weights, w = [], 1
+    for _ in range(num_layers):
+        weights.append(w - 2**64 if w >= 2**63 else w)
+        w = w * _FOLD % 2**64
+    return weights[::-1]
+
+
+def _layer_sums(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """[n] word sums of one layer's blocks, in block_ids order (each run of ids read in place)."""
+    import torch
+
+    sums = [_word_sums(kv[a:b]) for a, b in _runs(block_ids)]  # each [b - a]
+    return sums[0] if len(sums) == 1 else torch.cat(sums)
 
 
 def _word_sums(blocks: torch.Tensor) -> torch.Tensor:

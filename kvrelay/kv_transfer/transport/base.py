@@ -188,6 +188,9 @@ class WriteGuard(Protocol):
     def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
         """None to accept a write into `block_ids` (then `done` follows), else why not."""
 
+    def landed(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        """Every byte of the admitted write is in place (`done` follows); `layers` are indices."""
+
     def done(self, block_ids: Sequence[int], notification: bytes) -> None:
         """The admitted write finished (landed or failed): no byte of it arrives later."""
 

@@ -97,6 +97,7 @@ def serve_one_write(server: _BlockServer, sock: socket.socket, num_ids: int, not
     try:
         chosen = [server.layers[layer] for layer in layers]
         _recv_views(sock, _block_slices(chosen, _runs(block_ids), server.block_bytes))
+        guard.landed(block_ids, layers)
         if notification:  # NOTE: queued before the guard hears "done": D sees it with the bytes
             server.notifications.append(notification)
     finally:

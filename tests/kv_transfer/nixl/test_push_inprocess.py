@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.kv_transfer.connectors import nixl_worker
+from kvrelay.kv_transfer.connectors import nixl_worker, security
 from kvrelay.kv_transfer.connectors.nixl_push_meta import PushNotification
 from kvrelay.kv_transfer.transport.base import FinishedTransfer
 from kvrelay.worker import forward_context
@@ -147,6 +147,25 @@ def test_chunked_prefill_pushes_each_chunk_layer_by_layer(make_pair, spy, refere
     assert pair.d.get_stats()["prompt_tokens_computed"] == 1
 
 
+def test_checksums_taken_before_the_last_write_agree_across_unaligned_chunks_and_a_p_prefix_hit(
+        make_pair, reference, monkeypatch) -> None:
+    """P folds each layer's final blocks into its checksums during the forward (a chunk's partial
+    last block only once the prompt is complete); D (TCP: it sees each write land) sums every
+    write as it lands. Neither recounts all the KV at the end, and they agree on every block."""
+    def no_full_recount(*args: Any) -> list[int]:
+        raise AssertionError("block_digests over all layers ran at the completing write")
+
+    monkeypatch.setattr(security, "block_digests", no_full_recount)
+    pair, port = make_pair(p_batch=18)  # chunks end inside blocks
+    first = prompt(9 * BLOCK_SIZE + 3, 63)
+    second = [*first[:6 * BLOCK_SIZE], *prompt(3 * BLOCK_SIZE + 1, 64)]  # P's prefix cache hit
+    for rid, tokens in (("f1", first), ("f2", second)):
+        out = push(pair, port, rid, tokens)
+        assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    stats = pair.d.get_stats()
+    assert stats["prompt_tokens_computed"] == 2 and stats["kv_load_failures"] == 0
+
+
 def test_late_registration_gets_every_computed_layer_at_once(make_pair, spy, reference) -> None:
     pair, port = make_pair()
     tokens = prompt(4 * BLOCK_SIZE + 2, 62)
@@ -234,15 +253,6 @@ def test_bad_push_settings_are_refused_naming_the_key() -> None:
         make_engine(push_config("kv_producer", "tcp", layerwise="yes"))
     with pytest.raises(ValueError, match="unknown .* key"):
         make_engine(push_config("kv_producer", "tcp", layer_wise=True))
-
-
-def test_push_refuses_what_it_cannot_do_before_any_worker_starts() -> None:
-    """Per-rank push is not built: refused by name."""
-    from kvrelay import LLM
-    from tests.tiny import tiny_loaded_model
-    with pytest.raises(ValueError, match="NixlPushConnector runs at tensor_parallel_size=1 only, got 2"):
-        LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=32, tensor_parallel_size=2,
-            kv_transfer_config=push_config("kv_producer", "tcp"))
 
 
 def test_a_full_local_hit_on_d_lets_p_free_at_once(make_pair, spy, reference) -> None:

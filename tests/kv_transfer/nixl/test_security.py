@@ -5,7 +5,10 @@ reading KV that is not the prompt's."""
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -28,6 +31,9 @@ from kvrelay.kv_transfer.connectors.side_channel import (
 )
 from kvrelay.kv_transfer.factory import create_connector
 from tests.kv_transfer.nixl.pd import BLOCK_SIZE, free_port, prompt, reference_tokens
+
+if TYPE_CHECKING:
+    import torch
 
 SECRET = "s3cret-for-tests-0123456789"
 
@@ -193,6 +199,52 @@ def test_checksum_of_a_head_slice_matches_the_same_heads_held_alone() -> None:
     assert security.block_digests(p_kv, [3, 0], p_ranges) == security.block_digests(d_kv, [3, 0])
     p_kv[1][0, 1, 1, 0, 0] += 1.0  # head 1's V
     assert security.block_digests(p_kv, [3, 0], p_ranges)[1] != security.block_digests(d_kv, [3, 0])[1]
+
+
+def _random_layers(dtype: str, num_layers: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Random bytes viewed as `dtype`: every bit pattern, so the sums overflow and wrap."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    itemsize = torch.empty(0, dtype=torch_dtype).element_size()
+    layers = []
+    for _ in range(num_layers):
+        raw = torch.randint(0, 256, (shape[0], math.prod(shape[1:]) * itemsize), dtype=torch.uint8)
+        layers.append(raw.view(torch_dtype).view(shape))
+    return layers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "uint8"])
+def test_a_layer_by_layer_fold_equals_block_digests_bit_for_bit(dtype: str) -> None:
+    import torch
+
+    if not hasattr(torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    # uint8 with an odd head size: block bytes not a multiple of 8 (the widening path)
+    shape = (12, 2, 2, 4, 7) if dtype == "uint8" else (12, 2, 2, 4, 16)
+    kv = _random_layers(dtype, 5, shape)
+    block_ids = [7, 0, 1, 2, 9, 10, 4]
+    fold = security.DigestFold(kv, len(block_ids))
+    rng = random.Random(0)
+    for _ in range(20):  # layers finish blocks in any order and any number of steps
+        layer = rng.randrange(len(kv))
+        fold.fold(layer, block_ids, fold.folded[layer] + rng.randrange(3))
+    assert fold.digests(block_ids) == security.block_digests(kv, block_ids)
+    assert security.DigestFold(kv, len(block_ids)).digests(block_ids, first=3) == \
+        security.block_digests(kv, block_ids[3:])
+
+
+def test_sums_taken_as_writes_land_equal_block_digests_and_a_rewrite_replaces_its_sums() -> None:
+    kv = _random_layers("bfloat16", 3, (10, 2, 2, 4, 16))
+    block_ids = [6, 2, 3, 8]
+    landed = security.LandedSums(kv, block_ids)
+    landed.record([2, 3], [0, 1, 2])
+    assert landed.digests() is None  # blocks 6 and 8 never landed
+    landed.record([8, 6], [2])
+    landed.record([6, 8], [0, 1])
+    kv[1][8].view(-1)[5] += 1  # a block written again (a chunk's partial last block) ...
+    landed.record([8], [1])  # ... replaces its sums for that layer
+    assert landed.digests() == security.block_digests(kv, block_ids)
 
 
 # ---------------------------------------------------------------- end to end

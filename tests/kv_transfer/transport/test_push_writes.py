@@ -39,6 +39,9 @@ class RecordingGuard:
             self.admitted += 1
             return None
 
+    def landed(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+        pass
+
     def done(self, block_ids: Sequence[int], notification: bytes) -> None:
         with self._lock:
             self.in_flight -= 1

@@ -1,0 +1,35 @@
+"""A NixlPushConnector whose rank 1 fails its writes for chosen transfers: fault injection that
+reaches a tensor-parallel engine's worker processes (selected by kv_connector_module_path)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay.kv_transfer.connectors.nixl_push import NixlPushConnector
+from kvrelay.kv_transfer.transport.base import FinishedTransfer, TransferHandle
+
+FAILING_MARK = "fail-rank-1"  # a transfer id containing this fails every write of rank 1
+
+
+class RankFailingPushConnector(NixlPushConnector):
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        transport = self.worker.transport
+        if self.kv_spec.tp_rank != 1 or transport is None:
+            return
+        write = transport.write_blocks
+        sender = self.worker.sender
+
+        def failing(remote: str, local: list[int], remote_ids: list[int], notification: bytes,
+                    layers: Any = None) -> TransferHandle:
+            jobs = sender._jobs.values() if sender is not None else []
+            if any(FAILING_MARK in job.transfer_id and job.registration is not None
+                   and set(remote_ids) <= set(job.registration.request.block_ids) for job in jobs):
+                return FinishedTransfer("injected write failure on rank 1")
+            return write(remote, local, remote_ids, notification, layers)
+
+        transport.write_blocks = failing  # type: ignore[method-assign]
+
+
+def failing_push_config(config: dict[str, Any]) -> dict[str, Any]:
+    return {**config, "kv_connector": "RankFailingPushConnector", "kv_connector_module_path": __name__}
