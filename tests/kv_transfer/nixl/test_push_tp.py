@@ -93,8 +93,6 @@ def test_one_ranks_failed_write_fails_the_request_once_and_d_recomputes(tp2_pair
 
 def test_a_tp_mismatch_is_refused_naming_both_sizes(tp2_pair, reference, caplog) -> None:
     pd2, port, backend = tp2_pair
-    if backend != "tcp":
-        pytest.skip("refused at the handshake, before any transport is used: checked once, on TCP")
     d1 = make_engine(push_config("kv_consumer", backend, **EXTRA), 1)
     pd = PD(pd2.p, d1)
     try:
