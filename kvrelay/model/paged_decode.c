@@ -102,11 +102,12 @@ static inline float load_kv1(int kind, const char *p, int64_t i) {
  * done together (halve4, join_quarters), VLEN - 1 halvings per head instead of VLEN hsums. The last
  * group of VLEN rows may run past `rows`: those rows repeat row rows - 1 (never a read outside the
  * block) and their scores are never read. `stride` is a multiple of VLEN. */
-static inline void score_rows(int kind, int64_t C, int64_t GB, const float *qs, const char *k, int64_t rows,
+static inline __attribute__((always_inline)) void score_rows(int kind, int64_t C, int64_t GB, const float *qs, const char *k, int64_t rows,
                               float *scores, int64_t stride) {
     const int64_t row_bytes = VLEN * C * kv_elem_bytes(kind), vec_bytes = VLEN * kv_elem_bytes(kind);
     for (int64_t i0 = 0; i0 < rows; i0 += VLEN) {
         vf quarters[GROUP_PASS][VLEN / 4];  /* [head, 4 rows]: row partials from halve4 */
+#pragma GCC unroll 4
         for (int64_t t = 0; t < VLEN / 4; t++) {
             const int64_t i = i0 + 4 * t;
             if (i >= rows) {
@@ -118,11 +119,14 @@ static inline void score_rows(int kind, int64_t C, int64_t GB, const float *qs, 
             vf acc[4][GROUP_PASS];  /* [row, head] */
             for (int64_t r = 0; r < 4; r++)
                 for (int64_t g = 0; g < GB; g++) acc[r][g] = (vf){0};
-            for (int64_t r = 0; r < 4; r++)  /* rows front to back, as they lie in memory */
-                for (int64_t c = 0; c < C; c++) {
+            for (int64_t c = 0; c < C; c++) {
+                vf qc[GROUP_PASS];  /* vector c of each head's q, for the 4 rows */
+                for (int64_t g = 0; g < GB; g++) qc[g] = load(qs + VLEN * (g * C + c));
+                for (int64_t r = 0; r < 4; r++) {
                     const vf x = load_kv(kind, row[r] + vec_bytes * c);
-                    for (int64_t g = 0; g < GB; g++) acc[r][g] += load(qs + VLEN * (g * C + c)) * x;
+                    for (int64_t g = 0; g < GB; g++) acc[r][g] += qc[g] * x;
                 }
+            }
             for (int64_t g = 0; g < GB; g++) quarters[g][t] = halve4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]);
         }
         for (int64_t g = 0; g < GB; g++) store(scores + g * stride + i0, join_quarters(quarters[g]));
@@ -140,7 +144,7 @@ static inline int64_t v_chunk(int64_t C, int64_t GB) {
 /* acc_g = acc_g * rescale[g] + sum_i p[g * stride + i] v_i for the GB (<= GROUP_PASS) heads of acc
  * ([GB, VLEN C]) over `rows` rows of `v` ([rows, VLEN C] of element kind `kind`). The rows are read
  * in column chunks whose accumulators fit in registers, each vector of a row loaded once. */
-static inline void weighted_rows(int kind, int64_t C, int64_t GB, float *acc, const float *rescale,
+static inline __attribute__((always_inline)) void weighted_rows(int kind, int64_t C, int64_t GB, float *acc, const float *rescale,
                                  const float *p, int64_t stride, const char *v, int64_t rows) {
     const int64_t row_bytes = VLEN * C * kv_elem_bytes(kind), vec_bytes = VLEN * kv_elem_bytes(kind);
     const int64_t chunk = v_chunk(C, GB);
@@ -230,22 +234,24 @@ static inline void weigh_group(int kind, int64_t C, int64_t D, int64_t G, float 
 #undef BY_PASS
 
 /* Turns a block's scores into softmax numerators against the running maximum `*top`, updating
- * it and the running sum `*total`; returns the factor that rescales what was accumulated before. */
+ * it and the running sum `*total`; returns the factor that rescales what was accumulated before.
+ * Whole vectors throughout: `scores` is padded to a multiple of VLEN floats, the lanes past `rows`
+ * masked out (their numerators are 0). */
 static inline float online_softmax(float *scores, int64_t rows, float *top, float *total) {
-    float block_top = scores[0];
-    for (int64_t i = 1; i < rows; i++) block_top = scores[i] > block_top ? scores[i] : block_top;
-    const float new_top = block_top > *top ? block_top : *top;
+    vi lane;
+    for (int i = 0; i < VLEN; i++) lane[i] = i;
+    vf block_top = splat(-FLT_MAX);
+    for (int64_t i = 0; i < rows; i += VLEN)
+        block_top = vmax(block_top, vselect(lane + (int32_t)i < (int32_t)rows, load(scores + i), splat(-FLT_MAX)));
+    const float tile_top = hmax(block_top), new_top = tile_top > *top ? tile_top : *top;
     const float rescale = *top == -FLT_MAX ? 0.0f : exp1(*top - new_top);
-    vf vsum = {0};
-    float sum = 0.0f;
-    int64_t i = 0;
-    for (; i + VLEN <= rows; i += VLEN) {
-        const vf e = exp_nonpositive(load(scores + i) - new_top);
+    vf sum = {0};
+    for (int64_t i = 0; i < rows; i += VLEN) {
+        const vf e = vselect(lane + (int32_t)i < (int32_t)rows, exp_nonpositive(load(scores + i) - new_top), splat(0.0f));
         store(scores + i, e);
-        vsum += e;
+        sum += e;
     }
-    for (; i < rows; i++) sum += scores[i] = exp1(scores[i] - new_top);
-    *total = *total * rescale + sum + hsum(vsum);
+    *total = *total * rescale + hsum(sum);
     *top = new_top;
     return rescale;
 }

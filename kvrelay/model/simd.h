@@ -155,6 +155,27 @@ static inline float hsum(vf v) {  /* halves added pairwise (a scalar loop would 
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
+/* Lane-wise choice and maximum (a bitwise select: C has no ?: on vectors). */
+static inline vf vselect(vi take_a, vf a, vf b) { return (vf)(((vi)a & take_a) | ((vi)b & ~take_a)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+static inline float hmax(vf v) {  /* the largest lane: lanes swapped at halving distances */
+#if VLEN == 16
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif VLEN == 8
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#else
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2));
+#endif
+    return v[0];
+}
+
 /* exp(x) for x <= 0 on every lane: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
  * polynomial (relative error ~1e-7), times 2^k built in the exponent bits. Below -87 the result is
  * clamped to exp(-87) ~ 1.6e-38, i.e. zero weight. */
