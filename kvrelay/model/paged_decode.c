@@ -291,15 +291,15 @@ static inline void attend(
     for (int64_t b = 0, t = 0; t < len; b++, t += block_size) {
         const int64_t rows = len - t < block_size ? len - t : block_size;
         const char *k = kv + table[b] * block_stride, *v = k + num_kv_heads * slice;
-        /* The next block lies anywhere in the cache. Touching the start of each of its slices
-         * that this item reads (4 lines of each) gets the page walks and the hardware prefetcher
-         * going before the reads arrive; asking for whole slices row by row measured slower, the
-         * prefetches competing with the loads they were meant to serve. */
+        /* The next block lies anywhere in the cache: ask for all of it that this item reads (each
+         * of its K and V slices) while this one is computed. With the K and V rows read once per
+         * group, the 4 lines per slice asked for before left bf16 and fp8 waiting on memory:
+         * whole slices took 13% off bf16 (batch 64 x 264 tokens) and nothing off float32. */
         const char *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t line = 0; line < 4; line++) {
-                __builtin_prefetch(next + h * slice + 64 * line);  /* 64 bytes: a cache line */
-                __builtin_prefetch(next + (num_kv_heads + h) * slice + 64 * line);
+            for (int64_t line = 0; line < slice; line += 64) {  /* 64 bytes: a cache line */
+                __builtin_prefetch(next + h * slice + line);
+                __builtin_prefetch(next + (num_kv_heads + h) * slice + line);
             }
         for (int64_t h = h0; h < h1; h++) {
             const int64_t j = (h - h0) * group;  /* the group's first query head in this item */
