@@ -88,6 +88,15 @@ static inline float load_kv1(int kind, const char *p, int64_t i) {
     return f * 0x1p112f;
 }
 
+/* Asks for `bytes` bytes at p (a cache line at a time) ahead of their use. The kernel reads the
+ * next block's rows this way as it reads the same rows of this one: the requests keep pace with
+ * the reads, so memory stays busy while the block is computed. Asking for a whole block at once
+ * at its start queued more requests than the core has room for, and the computation waited on
+ * them: time = memory + compute, against the larger of the two once spread out. */
+static inline void prefetch_bytes(const char *p, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line);  /* 64 B: a cache line */
+}
+
 /* The query heads of one KV head (its GQA group) go through a block together, at most GROUP_PASS
  * of them per pass: each K and V row is loaded and widened once per pass, for all of them, and the
  * pass's accumulators stay in registers (4 rows x 4 heads of K products; V's below). A group larger
@@ -102,8 +111,9 @@ static inline float load_kv1(int kind, const char *p, int64_t i) {
  * done together (halve4, join_quarters), VLEN - 1 halvings per head instead of VLEN hsums. The last
  * group of VLEN rows may run past `rows`: those rows repeat row rows - 1 (never a read outside the
  * block) and their scores are never read. `stride` is a multiple of VLEN. */
-static inline __attribute__((always_inline)) void score_rows(int kind, int64_t C, int64_t GB, const float *qs, const char *k, int64_t rows,
-                              float *scores, int64_t stride) {
+static inline __attribute__((always_inline)) void score_rows(
+    int kind, int64_t C, int64_t GB, const float *qs, const char *k, int64_t rows, float *scores, int64_t stride,
+    const char *ahead) {
     const int64_t row_bytes = VLEN * C * kv_elem_bytes(kind), vec_bytes = VLEN * kv_elem_bytes(kind);
     for (int64_t i0 = 0; i0 < rows; i0 += VLEN) {
         vf quarters[GROUP_PASS][VLEN / 4];  /* [head, 4 rows]: row partials from halve4 */
@@ -114,6 +124,7 @@ static inline __attribute__((always_inline)) void score_rows(int kind, int64_t C
                 for (int64_t g = 0; g < GB; g++) quarters[g][t] = (vf){0};
                 continue;
             }
+            prefetch_bytes(ahead + row_bytes * i, 4 * row_bytes);
             const char *row[4];
             for (int64_t r = 0; r < 4; r++) row[r] = k + row_bytes * (i + r < rows ? i + r : rows - 1);
             vf acc[4][GROUP_PASS];  /* [row, head] */
@@ -144,8 +155,9 @@ static inline int64_t v_chunk(int64_t C, int64_t GB) {
 /* acc_g = acc_g * rescale[g] + sum_i p[g * stride + i] v_i for the GB (<= GROUP_PASS) heads of acc
  * ([GB, VLEN C]) over `rows` rows of `v` ([rows, VLEN C] of element kind `kind`). The rows are read
  * in column chunks whose accumulators fit in registers, each vector of a row loaded once. */
-static inline __attribute__((always_inline)) void weighted_rows(int kind, int64_t C, int64_t GB, float *acc, const float *rescale,
-                                 const float *p, int64_t stride, const char *v, int64_t rows) {
+static inline __attribute__((always_inline)) void weighted_rows(
+    int kind, int64_t C, int64_t GB, float *acc, const float *rescale, const float *p, int64_t stride, const char *v,
+    int64_t rows, const char *ahead) {
     const int64_t row_bytes = VLEN * C * kv_elem_bytes(kind), vec_bytes = VLEN * kv_elem_bytes(kind);
     const int64_t chunk = v_chunk(C, GB);
     for (int64_t c0 = 0; c0 < C; c0 += chunk) {
@@ -153,11 +165,13 @@ static inline __attribute__((always_inline)) void weighted_rows(int kind, int64_
         for (int64_t g = 0; g < GB; g++)
             for (int64_t c = 0; c < chunk; c++) a[g][c] = load(acc + VLEN * (g * C + c0 + c)) * rescale[g];
         const char *row = v + vec_bytes * c0;
-        for (int64_t i = 0; i < rows; i++, row += row_bytes)
+        for (int64_t i = 0; i < rows; i++, row += row_bytes) {
+            if (c0 == 0) prefetch_bytes(ahead + row_bytes * i, row_bytes);
             for (int64_t c = 0; c < chunk; c++) {
                 const vf x = load_kv(kind, row + vec_bytes * c);
                 for (int64_t g = 0; g < GB; g++) a[g][c] += p[g * stride + i] * x;
             }
+        }
         for (int64_t g = 0; g < GB; g++)
             for (int64_t c = 0; c < chunk; c++) store(acc + VLEN * (g * C + c0 + c), a[g][c]);
     }
@@ -174,8 +188,9 @@ static inline void widen_row(int kind, const char *kv, int64_t D, float *row) {
 /* score_rows and weighted_rows for any D (the route for D not a multiple of VLEN) and any number
  * of heads G: each row widened once into `row` ([D] scratch), then plain loops over it. */
 static void score_rows_any(int kind, int64_t D, int64_t G, const float *qs, const char *k, int64_t rows,
-                           float *scores, int64_t stride, float *row) {
+                           float *scores, int64_t stride, float *row, const char *ahead) {
     for (int64_t i = 0; i < rows; i++) {
+        prefetch_bytes(ahead + i * D * kv_elem_bytes(kind), D * kv_elem_bytes(kind));
         widen_row(kind, k + i * D * kv_elem_bytes(kind), D, row);
         for (int64_t g = 0; g < G; g++) {
             float sum = 0.0f;
@@ -187,9 +202,11 @@ static void score_rows_any(int kind, int64_t D, int64_t G, const float *qs, cons
 }
 
 static void weighted_rows_any(int kind, int64_t D, int64_t G, float *acc, const float *rescale,
-                              const float *p, int64_t stride, const char *v, int64_t rows, float *row) {
+                              const float *p, int64_t stride, const char *v, int64_t rows, float *row,
+                              const char *ahead) {
     for (int64_t j = 0; j < G * D; j++) acc[j] *= rescale[j / D];
     for (int64_t i = 0; i < rows; i++) {
+        prefetch_bytes(ahead + i * D * kv_elem_bytes(kind), D * kv_elem_bytes(kind));
         widen_row(kind, v + i * D * kv_elem_bytes(kind), D, row);
         for (int64_t g = 0; g < G; g++) {
             const float w = p[g * stride + i];
@@ -211,23 +228,25 @@ static void weighted_rows_any(int kind, int64_t D, int64_t G, float *acc, const 
         }
 
 static inline void score_group(int kind, int64_t C, int64_t D, int64_t G, const float *qs, const char *k,
-                               int64_t rows, float *scores, int64_t stride, float *row) {
+                               int64_t rows, float *scores, int64_t stride, float *row, const char *ahead) {
     if (!C) {
-        score_rows_any(kind, D, G, qs, k, rows, scores, stride, row);
+        score_rows_any(kind, D, G, qs, k, rows, scores, stride, row, ahead);
         return;
     }
-#define SCORE(GB) score_rows(kind, C, GB, qs + g0 * D, k, rows, scores + g0 * stride, stride)
+#define SCORE(GB) score_rows(kind, C, GB, qs + g0 * D, k, rows, scores + g0 * stride, stride, ahead)
     BY_PASS(SCORE)
 #undef SCORE
 }
 
 static inline void weigh_group(int kind, int64_t C, int64_t D, int64_t G, float *acc, const float *rescale,
-                               const float *p, int64_t stride, const char *v, int64_t rows, float *row) {
+                               const float *p, int64_t stride, const char *v, int64_t rows, float *row,
+                               const char *ahead) {
     if (!C) {
-        weighted_rows_any(kind, D, G, acc, rescale, p, stride, v, rows, row);
+        weighted_rows_any(kind, D, G, acc, rescale, p, stride, v, rows, row, ahead);
         return;
     }
-#define WEIGH(GB) weighted_rows(kind, C, GB, acc + g0 * D, rescale + g0, p + g0 * stride, stride, v, rows)
+#define WEIGH(GB) \
+    weighted_rows(kind, C, GB, acc + g0 * D, rescale + g0, p + g0 * stride, stride, v, rows, ahead)
     BY_PASS(WEIGH)
 #undef WEIGH
 }
@@ -291,19 +310,14 @@ static inline void attend(
     for (int64_t b = 0, t = 0; t < len; b++, t += block_size) {
         const int64_t rows = len - t < block_size ? len - t : block_size;
         const char *k = kv + table[b] * block_stride, *v = k + num_kv_heads * slice;
-        /* The next block lies anywhere in the cache: ask for all of it that this item reads (each
-         * of its K and V slices) while this one is computed. With the K and V rows read once per
-         * group, the 4 lines per slice asked for before left bf16 and fp8 waiting on memory:
-         * whole slices took 13% off bf16 (batch 64 x 264 tokens) and nothing off float32. */
-        const char *next = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
-        for (int64_t h = h0; h < h1; h++)
-            for (int64_t line = 0; line < slice; line += 64) {  /* 64 bytes: a cache line */
-                __builtin_prefetch(next + h * slice + line);
-                __builtin_prefetch(next + (num_kv_heads + h) * slice + line);
-            }
+        /* The next block lies anywhere in the cache: its rows are asked for as this block's are
+         * read (prefetch_bytes), the same rows of the same slices. */
+        const char *next_k = kv + table[b + 1 < max_blocks ? b + 1 : b] * block_stride;
+        const char *next_v = next_k + num_kv_heads * slice;
         for (int64_t h = h0; h < h1; h++) {
             const int64_t j = (h - h0) * group;  /* the group's first query head in this item */
-            score_group(kind, C, D, group, qs + j * D, k + h * slice, rows, scores + j * stride, stride, row);
+            score_group(kind, C, D, group, qs + j * D, k + h * slice, rows, scores + j * stride, stride, row,
+                        next_k + h * slice);
         }
         float rescale[heads];
         for (int64_t j = 0; j < heads; j++)
@@ -311,7 +325,7 @@ static inline void attend(
         for (int64_t h = h0; h < h1; h++) {
             const int64_t j = (h - h0) * group;
             weigh_group(kind, C, D, group, acc + j * D, rescale + j, scores + j * stride, stride, v + h * slice,
-                        rows, row);
+                        rows, row, next_v + h * slice);
         }
     }
     float *o = out + (s * num_heads + first) * D;
