@@ -107,11 +107,27 @@ def test_native_decode_any_group_and_head_dim_in_every_format(name: str, group: 
                                                               arch: str) -> None:
     """The kernel reads each KV row once for the query heads of its group, at most 4 heads a pass
     (groups 5 and 8: two passes). head_dim 40 is a multiple of no vector width (the route for any
-    D). Lengths: one token, a partial last block, whole blocks, and two sequences per work item
-    (4 sequences: whole sequences with 1 thread)."""
+    D). Lengths: one token, a partial last block, whole blocks."""
     kernel = require_kernel("paged_decode", arch, native.paged_decode_kernel)
+    check_kernel_against_widened_values(kernel, name, group, head_dim, block_size=16)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_native_decode_blocks_smaller_or_larger_than_a_vector_of_rows(name: str, block_size: int,
+                                                                      arch: str) -> None:
+    """Scores are summed VLEN (16, 8 or 4) rows at a time: a block of 8 rows is less than one such
+    group on AVX-512 (the rest repeat its last row, never read past it), 32 rows are several."""
+    kernel = require_kernel("paged_decode", arch, native.paged_decode_kernel)
+    check_kernel_against_widened_values(kernel, name, 3, 64, block_size)
+
+
+def check_kernel_against_widened_values(kernel: native.PagedDecode, name: str, group: int, head_dim: int,
+                                        block_size: int) -> None:
+    """The kernel over a cache stored in format `name` against attention over the values it holds,
+    with 1 thread (whole sequences per work item) and 2 (4 sequences: split by KV head)."""
     torch.manual_seed(5)
-    num_kv_heads, block_size, lens = 2, 16, [1, 7, 16, 45]
+    num_kv_heads, lens = 2, [1, 7, 16, 45]
     counts = [-(-n // block_size) for n in lens]
     perm = torch.randperm(sum(counts) + 2)
     tables = torch.zeros(len(lens), max(counts), dtype=torch.int64)
