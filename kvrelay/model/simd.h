@@ -101,9 +101,79 @@ static inline vf4 sums4(vf a, vf b, vf c, vf d) {
 }
 #endif
 
+/* Row sums of many vectors at once. A vector of "row partials" holds VLEN / L rows of L lanes
+ * each, row r in lanes [r L, r L + L), its sum being the sum of those lanes. halve(x, y, L) adds
+ * the two halves of every row of x and of y, giving x's rows then y's at L / 2 lanes each: VLEN
+ * vectors (L = VLEN), halved pairwise log2(VLEN) levels deep, become one vector whose lane i is the
+ * sum of vector i, in VLEN - 1 halvings (two shuffles and an add each) instead of VLEN hsums. L
+ * must be a constant (it picks the shuffles), VLEN >= L >= 2. */
+#define HALVES(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+static inline vf halve(vf x, vf y, int lanes) {
+#if VLEN == 16
+    switch (lanes) {
+        case 16: return HALVES(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+                      + HALVES(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        case 8: return HALVES(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+                     + HALVES(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        case 4: return HALVES(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+                     + HALVES(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+        default: return HALVES(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+                      + HALVES(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    }
+#elif VLEN == 8
+    switch (lanes) {
+        case 8: return HALVES(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + HALVES(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+        case 4: return HALVES(x, y, 0, 1, 4, 5, 8, 9, 12, 13) + HALVES(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
+        default: return HALVES(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + HALVES(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+    }
+#else
+    switch (lanes) {
+        case 4: return HALVES(x, y, 0, 1, 4, 5) + HALVES(x, y, 2, 3, 6, 7);
+        default: return HALVES(x, y, 0, 2, 4, 6) + HALVES(x, y, 1, 3, 5, 7);
+    }
+#endif
+}
+#undef HALVES
+
+/* Four vectors' row partials at VLEN / 4 lanes per row (rows a, b, c, d), then VLEN / 4 such
+ * results (4 rows each) as one vector of VLEN row sums: together the halving tree above. */
+static inline vf halve4(vf a, vf b, vf c, vf d) {
+    return halve(halve(a, b, VLEN), halve(c, d, VLEN), VLEN / 2);
+}
+static inline vf join_quarters(const vf *quarters) {  /* VLEN / 4 vectors from halve4 */
+#if VLEN == 16
+    return halve(halve(quarters[0], quarters[1], 4), halve(quarters[2], quarters[3], 4), 2);
+#elif VLEN == 8
+    return halve(quarters[0], quarters[1], 2);
+#else
+    return quarters[0];
+#endif
+}
+
 static inline float hsum(vf v) {  /* halves added pairwise (a scalar loop would be VLEN-1 serial adds) */
     const vf4 h4 = fold4(v);
     return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* Lane-wise choice and maximum (a bitwise select: C has no ?: on vectors). */
+static inline vf vselect(vi take_a, vf a, vf b) { return (vf)(((vi)a & take_a) | ((vi)b & ~take_a)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+static inline float hmax(vf v) {  /* the largest lane: lanes swapped at halving distances */
+#if VLEN == 16
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif VLEN == 8
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#else
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2));
+#endif
+    return v[0];
 }
 
 /* exp(x) for x <= 0 on every lane: x = k ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6

@@ -100,6 +100,59 @@ def test_decode_reads_every_format_within_its_tolerance(name: str, route: str, n
     assert (out - fp32).abs().max().item() <= TOLERANCE_VS_FP32[name] * fp32.abs().max().item()
 
 
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_native_decode_any_group_and_head_dim_in_every_format(name: str, group: int, head_dim: int,
+                                                              arch: str) -> None:
+    """The kernel reads each KV row once for the query heads of its group, at most 4 heads a pass
+    (groups 5 and 8: two passes). head_dim 40 is a multiple of no vector width (the route for any
+    D). Lengths: one token, a partial last block, whole blocks."""
+    kernel = require_kernel("paged_decode", arch, native.paged_decode_kernel)
+    check_kernel_against_widened_values(kernel, name, group, head_dim, block_size=16)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_native_decode_blocks_smaller_or_larger_than_a_vector_of_rows(name: str, block_size: int,
+                                                                      arch: str) -> None:
+    """Scores are summed VLEN (16, 8 or 4) rows at a time: a block of 8 rows is less than one such
+    group on AVX-512 (the rest repeat its last row, never read past it), 32 rows are several."""
+    kernel = require_kernel("paged_decode", arch, native.paged_decode_kernel)
+    check_kernel_against_widened_values(kernel, name, 3, 64, block_size)
+
+
+def check_kernel_against_widened_values(kernel: native.PagedDecode, name: str, group: int, head_dim: int,
+                                        block_size: int) -> None:
+    """The kernel over a cache stored in format `name` against attention over the values it holds,
+    with 1 thread (whole sequences per work item) and 2 (4 sequences: split by KV head)."""
+    torch.manual_seed(5)
+    num_kv_heads, lens = 2, [1, 7, 16, 45]
+    counts = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(sum(counts) + 2)
+    tables = torch.zeros(len(lens), max(counts), dtype=torch.int64)
+    for i, table in enumerate(perm[:sum(counts)].split(counts)):
+        tables[i, :len(table)] = table
+    stored, scales = store(torch.randn(len(perm), 2, num_kv_heads, block_size, head_dim), name)
+    exact = widen(stored, scales)  # [N, 2, Hkv, bs, D]
+    num_heads = group * num_kv_heads
+    q = torch.randn(len(lens), num_heads * head_dim)
+    out = torch.empty_like(q)
+    threads_before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            kernel(q, stored, tables, torch.tensor(lens), out, head_dim**-0.5, scales)
+        finally:
+            torch.set_num_threads(threads_before)
+        for i, seq_len in enumerate(lens):
+            blocks = exact[tables[i, :counts[i]]]  # [nb, 2, Hkv, bs, D]
+            k = blocks[:, 0].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, Hkv, D]
+            v = blocks[:, 1].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]  # [S, Hkv, D]
+            expected = reference_attention(q[i].view(1, num_heads, head_dim), k, v, seq_len - 1)
+            torch.testing.assert_close(out[i:i + 1], expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "float16"])
 def test_out_of_range_values_saturate_instead_of_becoming_inf(name: str) -> None:
     fmt = kv_format(name)
