@@ -47,6 +47,16 @@ class TensorParallelGroup:
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def gather_to_first(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Every rank's `tensor` (all the same shape) concatenated along `dim` in rank order, on
+        rank 0; None on the others (the tensor itself at size 1)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_first else None
+        dist.gather(tensor, parts, dst=0)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()

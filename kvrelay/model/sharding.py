@@ -3,7 +3,8 @@
 Column-parallel (each rank owns a slice of the output rows): q/k/v and gate/up, biases included.
 Row-parallel (each rank owns a slice of the input columns; the outputs are summed with an
 all-reduce): o_proj and down_proj, which have no bias in this family. Everything else (norms,
-embeddings, the LM head) is replicated.
+embeddings, the LM head) is replicated; the LM head's product is vocab-parallel all the same
+(each rank multiplies its share of the rows: `llama.CausalLM.compute_logits`).
 
 KV heads follow vLLM's rule: split when `num_kv_heads % tp == 0`; replicated when
 `tp % num_kv_heads == 0` (each rank keeps the one KV head its query heads read); otherwise the

@@ -115,9 +115,7 @@ class ModelRunner:
             connector.start_load_kv(context)
             hidden = self.model(batch["input_ids"], batch["positions"]) if batch else None
             connector.wait_for_save()
-        if batch is None or hidden is None or not self.model.tp.is_first:
-            # NOTE: with a replicated LM head only rank 0 samples; the others only ran the forward
-            # pass their all-reduces need.
+        if batch is None or hidden is None:
             return ModelRunnerOutput.empty()
         return self._sample(req_ids, batch, hidden)
 
@@ -146,33 +144,41 @@ class ModelRunner:
     def _sample(self, req_ids: list[str], batch: dict[str, Any],
                 hidden: torch.Tensor) -> ModelRunnerOutput:
         # A request samples when this step computed its last known token.
-        rows, sample_idx, sampling_ids = [], [], []
+        sample_idx, sampling_ids = [], []
         last = -1
         for req_id, q_len, seq_len in zip(req_ids, batch["query_lens"], batch["seq_lens"], strict=True):
             last += q_len
-            state = self.requests[req_id]
-            if seq_len == len(state.token_ids):
+            if seq_len == len(self.requests[req_id].token_ids):
                 sample_idx.append(last)
                 sampling_ids.append(req_id)
-                rows.append(SamplingRow(
-                    params=state.sampling_params,
-                    prompt_token_ids=state.token_ids[:state.num_prompt_tokens],
-                    output_token_ids=state.token_ids[state.num_prompt_tokens:],
-                    eos_token_ids=state.eos_token_ids, generator=state.generator))
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
-        if rows:
+        if sample_idx:
             idx = torch.tensor(sample_idx, dtype=torch.long, device=hidden.device)
+            # NOTE: every rank takes part (the LM head is vocab-parallel above TP 1, the same
+            # rows on every rank); only rank 0 gets the logits and samples.
             logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
+            if logits is None:
+                return ModelRunnerOutput.empty()
+            rows = [self._sampling_row(self.requests[rid]) for rid in sampling_ids]
             token_ids, token_logprobs = self.sampler(logits, rows)
             for rid, tok, lp in zip(sampling_ids, token_ids, token_logprobs, strict=True):
                 sampled[rid] = [tok]
                 logprobs[rid] = lp
+        elif not self.model.tp.is_first:
+            return ModelRunnerOutput.empty()
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(rid, []) for rid in req_ids],
             logprobs=[logprobs.get(rid) for rid in req_ids],
         )
+
+    @staticmethod
+    def _sampling_row(state: CachedRequestState) -> SamplingRow:
+        prompt_len = state.num_prompt_tokens
+        return SamplingRow(params=state.sampling_params, prompt_token_ids=state.token_ids[:prompt_len],
+                           output_token_ids=state.token_ids[prompt_len:],
+                           eos_token_ids=state.eos_token_ids, generator=state.generator)
 
     # ----------------------------------------------------------------------------- state
     def _update_states(self, sched_out: SchedulerOutput) -> None:

@@ -2,7 +2,7 @@
 the log-probabilities of the same instance at TP 1 (one in-process worker) within 1e-4, through
 prefill, decode, chunked prefill, prefix-cache hits and preemption; KV heads split (2 and 4 KV
 heads) and replicated (1 KV head at TP 2, 2 KV heads at TP 4); Llama, Qwen2 (q/k/v bias) and
-Qwen3 (q/k norm). The default model, SmolLM2 (3 KV heads), at TP 3 gives TP 1's greedy tokens.
+Qwen3 (q/k norm); vocabularies that split evenly over the ranks and ones that do not. The default model, SmolLM2 (3 KV heads), at TP 3 gives TP 1's greedy tokens.
 
 Each case starts its worker processes once (on a shared 2-core machine that is the cost)."""
 
@@ -26,9 +26,11 @@ CASES = [  # (architecture, tensor_parallel_size, transformers config overrides)
     pytest.param("llama", 2, {}, id="llama-kv2-tp2-split"),
     pytest.param("qwen2", 2, {}, id="qwen2-kv2-tp2-split"),
     pytest.param("qwen3", 2, {}, id="qwen3-kv2-tp2-split"),
-    pytest.param("llama", 2, {"num_key_value_heads": 1}, id="llama-kv1-tp2-replicated"),
+    # vocabularies that do not split evenly: the last rank's share of the (vocab-parallel) LM
+    # head is short
+    pytest.param("llama", 2, {"num_key_value_heads": 1, "vocab_size": 257}, id="llama-kv1-tp2-replicated"),
     pytest.param("llama", 4, {"num_key_value_heads": 4}, id="llama-kv4-tp4-split"),
-    pytest.param("llama", 4, {}, id="llama-kv2-tp4-replicated"),
+    pytest.param("llama", 4, {"vocab_size": 258}, id="llama-kv2-tp4-replicated"),
 ]
 
 
