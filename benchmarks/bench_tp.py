@@ -19,10 +19,11 @@ Rows:
    engines (P and D at tp 1 and 2) serve every pair; each request has a fresh prompt, so no
    prefix-cache hit on either side, and the run checks that no pull failed (D recomputed nothing);
 4. vocab-parallel or replicated: SmolLM2's tied embedding / LM head (49152 x 576) at TP 2, two
-   gloo ranks of one thread each. kvrelay replicates both (rank 0 alone computes the logits, the
-   other rank waits at the next collective); the baseline splits the vocabulary (each rank half
-   the logits, gathered on rank 0; a masked lookup of half the table and an all-reduce of the
-   embeddings), at 1, 16 and 64 logit rows and 16 and 512 embedded tokens.
+   gloo ranks of one thread each: replicated (rank 0 alone computes the logits while the other
+   rank waits at the next collective; a plain lookup) against vocab-parallel (each rank half the
+   logits, gathered on rank 0; a masked lookup of half the table and an all-reduce of the
+   embeddings), at 1, 16 and 64 logit rows and 16 and 512 embedded tokens. kvrelay takes the
+   cheaper of each: a vocab-parallel LM head and a replicated embedding.
 
 Repetitions alternate between the measured engine and its baseline; medians are reported. The
 machine may be shared with other jobs: the ratios are what to read, not the absolute numbers.
