@@ -267,6 +267,19 @@ def test_a_lost_landed_notification_falls_back_to_counting_every_block(make_pair
     assert stats["kv_load_failures"] == 0 and stats["prompt_tokens_computed"] == 1
 
 
+def test_landed_notifications_for_a_receive_that_ended_are_ignored(make_pair, spy, reference) -> None:
+    spy.one_sided = True
+    pair, port = make_pair(p_batch=16)
+    push(pair, port, "ended", prompt(10 * BLOCK_SIZE + 1, 74))
+    receiver = pair.d.runner.connector.worker.receiver
+    stale = [w.landed for w in spy.writes if w.landed is not None]
+    assert stale
+    for landed in stale:  # delivered again, after the receive finished
+        receiver._on_notification(landed.encode())
+    results = receiver.poll()
+    assert not results.finished and not results.failed and not results.stats
+
+
 @pytest.mark.parametrize("one_sided", ONE_SIDED)
 def test_a_checksum_mismatch_is_recomputed(make_pair, spy, reference, monkeypatch, one_sided) -> None:
     monkeypatch.setattr(security, "block_digests", _no_full_recount)  # caught by the landed sums
