@@ -6,11 +6,16 @@ msgspec Structs throughout, so everything crosses a process or a machine as msgp
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from kvrelay.kv_transfer.base import KVConnectorMetadata
 
-NOTIFICATION_PREFIX = b"kvrelay-push:"
+NOTIFICATION_PREFIX = b"kvrelay-push:"  # a PushNotification
+LANDED_PREFIX = b"kvrelay-landed:"  # a PushLanded
+
+_Note = TypeVar("_Note", bound=msgspec.Struct)
 
 # ---------------------------------------------------------------- scheduler side -> worker side
 
@@ -125,21 +130,47 @@ class PushStatuses(msgspec.Struct, kw_only=True):
     statuses: list[PushStatus]
 
 
+class PushLanded(msgspec.Struct, array_like=True):
+    """An earlier write's notification (one-sided transports): `layers` of the prompt blocks
+    [start, end) now sit in D's registered blocks, so D may take their checksum sums."""
+
+    transfer_id: str
+    registration_id: str
+    layers: list[int]
+    start: int
+    end: int
+
+    def encode(self) -> bytes:
+        return LANDED_PREFIX + msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PushLanded | None:
+        return _decode(cls, LANDED_PREFIX, raw)
+
+
 class PushNotification(msgspec.Struct, array_like=True):
-    """The completing write's notification: which registration, and P's block checksums."""
+    """The completing write's notification: which registration, and P's block checksums. Over a
+    one-sided transport also what that write itself carried (`landed`) and how many earlier
+    writes' `PushLanded` went out, so D knows whether its landed sums are whole."""
 
     transfer_id: str
     registration_id: str
     checksums: list[int]
+    landed: PushLanded | None = None
+    num_landed: int = 0
 
     def encode(self) -> bytes:
         return NOTIFICATION_PREFIX + msgspec.msgpack.encode(self)
 
     @classmethod
     def decode(cls, raw: bytes) -> PushNotification | None:
-        if not raw.startswith(NOTIFICATION_PREFIX):
-            return None
-        try:
-            return msgspec.msgpack.decode(raw[len(NOTIFICATION_PREFIX):], type=cls)
-        except msgspec.DecodeError:
-            return None
+        return _decode(cls, NOTIFICATION_PREFIX, raw)
+
+
+def _decode(cls: type[_Note], prefix: bytes, raw: bytes) -> _Note | None:
+    if not raw.startswith(prefix):
+        return None
+    try:
+        return msgspec.msgpack.decode(raw[len(prefix):], type=cls)
+    except msgspec.DecodeError:
+        return None

@@ -20,7 +20,10 @@ a write's time bound).
 The checksums: where D sees each write land (TCP), the write guard hands every landed write to
 `_on_landed`, which takes that write's per-layer block sums at once (`security.LandedSums`), so
 the completing write only combines them. One-sided transports (NIXL, Mooncake) write without D
-knowing, so there D counts every layer of every block when the notification arrives.
+knowing, but deliver each write's notification only once its bytes landed: there every earlier
+write carries a `PushLanded` (its layers and prompt blocks), which `poll` sums the same way, and
+the completing notification names its own range and how many `PushLanded` went out. When one is
+missing (or a sum failed), D counts every layer of every block at the end instead.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PUSH_WRITING,
     PUSH_WRITTEN,
     PushHeartbeat,
+    PushLanded,
     PushNotification,
     PushRecv,
     PushRef,
@@ -99,7 +103,8 @@ class _Recv:
     safe_after: float = float("inf")
     aborted: bool = False
     failure: str = ""
-    landed: security.LandedSums | None = None  # checksum sums of the writes as they land (TCP)
+    landed: security.LandedSums | None = None  # checksum sums of the writes as they land
+    num_landed: int = 0  # PushLanded notifications recorded (one-sided transports)
 
 
 class PushReceiver:
@@ -111,7 +116,7 @@ class PushReceiver:
         self.config = config
         self.channel_key = channel_key
         self.kv_layers = list(kv_layers)
-        self.sees_writes = transport.name == "tcp"  # NOTE: its guard refuses stray writes itself
+        self.sees_writes = transport.sees_writes  # NOTE: its guard refuses stray writes itself
         self.guard = BlockGuard(self._on_landed if self.sees_writes else None)
         transport.set_write_guard(self.guard)
         self._ctx = zmq.Context()
@@ -145,7 +150,7 @@ class PushReceiver:
         if spec.notify_only:  # a full local hit: register nothing, so P frees at once
             peer.thread.submit(functools.partial(self._register_job, recv=recv, reply_event=False))
             return
-        if self.sees_writes and self.config.verify_checksum:
+        if self.config.verify_checksum:
             recv.landed = security.LandedSums(self.kv_layers, spec.local_block_ids)
         self._recvs[spec.req_id] = recv
         self._by_registration[recv.registration_id] = recv
@@ -379,14 +384,50 @@ class PushReceiver:
     # ---------------------------------------------------------------- completion
 
     def _on_notification(self, raw: bytes) -> None:
+        landed = PushLanded.decode(raw)
+        if landed is not None:
+            recv = self._live_recv(landed.transfer_id, landed.registration_id)
+            if recv is not None and recv.state != "cancelling" and not self.sees_writes:
+                recv.num_landed += 1
+                self._record_landed(recv, landed)
+            return  # NOTE: where D sees writes (TCP) the guard recorded this write already
         note = PushNotification.decode(raw)
-        recv = self._by_registration.get(note.registration_id) if note is not None else None
-        if note is None or recv is None or recv.spec.transfer_id != note.transfer_id:
+        recv = self._live_recv(note.transfer_id, note.registration_id) if note is not None else None
+        if note is None or recv is None:
             return  # a full local hit's notification, or one for a receive that ended
         if recv.state == "cancelling":  # every write of P's had finished: the blocks are safe
             recv.safe = True
             return
+        if not self.sees_writes:
+            if note.landed is not None:
+                self._record_landed(recv, note.landed)
+            if recv.num_landed != note.num_landed:  # one went missing or came after this one
+                recv.landed = None
         self._finish(recv, note.checksums)
+
+    def _live_recv(self, transfer_id: str, registration_id: str) -> _Recv | None:
+        recv = self._by_registration.get(registration_id)
+        return recv if recv is not None and recv.spec.transfer_id == transfer_id else None
+
+    def _record_landed(self, recv: _Recv, note: PushLanded) -> None:
+        """Engine thread: a one-sided write's bytes landed; sum its blocks now (the prompt blocks
+        [start, end) sit in the local blocks the registration listed from `first_block` on)."""
+        landed, spec = recv.landed, recv.spec
+        if landed is None:
+            return
+        first = spec.first_block
+        layers_ok = all(0 <= layer < len(self.kv_layers) for layer in note.layers)
+        if not (first <= note.start < note.end <= first + len(spec.local_block_ids) and layers_ok):
+            logger.warning("NixlPushConnector: request %s: a landed write names prompt blocks [%d, %d) "
+                           "layers %s outside its registration; verifying at the end instead",
+                           spec.req_id, note.start, note.end, note.layers[:8])
+            recv.landed = None
+            return
+        try:
+            landed.record(spec.local_block_ids[note.start - first:note.end - first], note.layers)
+        except Exception:
+            logger.exception("NixlPushConnector: cannot sum a landed write; verifying at the end instead")
+            recv.landed = None
 
     def _finish(self, recv: _Recv, checksums: list[int]) -> None:
         spec = recv.spec
@@ -399,7 +440,7 @@ class PushReceiver:
         results.count("seconds_loading", time.monotonic() - recv.started)
         if recv.aborted or not self.config.verify_checksum:
             return
-        # NOTE: where D saw every write land, their sums were taken then: only combining is left
+        # NOTE: where D heard every write land, their sums were taken then: only combining is left
         local = recv.landed.digests() if recv.landed is not None else None
         if local is None:
             local = security.block_digests(self.kv_layers, spec.local_block_ids)

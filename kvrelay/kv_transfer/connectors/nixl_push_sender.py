@@ -15,6 +15,10 @@ thread then writes:
                            layer's share was folded in by save_kv_layer as its blocks became
                            final, so only the last layer's share is left on the critical path)
 
+Over a one-sided transport (NIXL, Mooncake) every earlier write carries a small `PushLanded`
+(its layers and prompt-block range), which the transport delivers once the bytes landed, so D
+sums each write's blocks as it lands, as it does over TCP where it sees the writes itself.
+
 NOTE: the safety of D's blocks. P starts no write for a registration that was cancelled or
 whose lease ran out (D renews it with heartbeats), and says "cancelled" only when none of its
 writes is in flight; every check and every write start happen under one lock. So once D heard
@@ -47,6 +51,7 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PUSH_WRITING,
     PUSH_WRITTEN,
     NixlPushMetadata,
+    PushLanded,
     PushNotification,
     PushRef,
     PushRegister,
@@ -83,6 +88,7 @@ class _Registration:
     failure: str = ""
     final: TransferHandle | None = None  # the completing write
     final_done: bool = False
+    num_landed: int = 0  # earlier writes that went out with a PushLanded (one-sided transports)
 
     @property
     def ref(self) -> PushRef:
@@ -252,14 +258,19 @@ class PushSender:
             for layer in layers:
                 job.sent[layer] = max(job.sent[layer], new_sent)
             return
-        notification = b""
+        # NOTE: a one-sided write lands unseen by D: its notification tells D what landed, so D
+        # sums those blocks then rather than every block of every layer at the end
+        landed = (PushLanded(job.transfer_id, req.registration_id, list(layers), start, end)
+                  if end > start and not self.transport.sees_writes else None)
+        notification = landed.encode() if landed is not None else b""
         if final:
             if not self._settle_writes(job):
                 return
             if job.digests is None:
                 job.digests = security.DigestFold(self.kv_layers, num_prompt_blocks)
             checksums = job.digests.digests(job.block_ids, req.first_block)
-            notification = PushNotification(job.transfer_id, req.registration_id, checksums).encode()
+            notification = PushNotification(job.transfer_id, req.registration_id, checksums,
+                                            landed, reg.num_landed).encode()
         local = job.block_ids[start:end] if end > start else []
         remote = req.block_ids[start - req.first_block:end - req.first_block] if end > start else []
         with self._lock:  # NOTE: checked and started under the lock that a cancel takes
@@ -271,6 +282,8 @@ class PushSender:
                 reg.failure = f"the transport refused the write: {e}"
                 return
             job.writes.append(handle)
+            if landed is not None and not final:
+                reg.num_landed += 1
             self._write_bytes[id(handle)] = len(local) * len(layers) * self.layout.block_bytes
             if final:
                 reg.final = handle

@@ -200,6 +200,9 @@ class KVTransport(ABC):
     the connector calls it from the engine thread."""
 
     name: str
+    # NOTE: True where the receiver of a push sees each write land (its write guard's `landed`);
+    # one-sided writes (NIXL, Mooncake) land unseen and only their notification says so.
+    sees_writes: bool = False
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> RegionLayout:

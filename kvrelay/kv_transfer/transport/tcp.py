@@ -376,6 +376,7 @@ class TcpTransport(KVTransport):
     wait, so a dead peer fails a read after at most that long."""
 
     name = "tcp"
+    sees_writes = True
 
     def __init__(self, engine_id: str, host: str = "127.0.0.1", port: int = 0, *,
                  secret: bytes | None = None, num_workers: int = 2, timeout_s: float = 10.0) -> None:

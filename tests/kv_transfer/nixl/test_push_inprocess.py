@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from kvrelay.kv_transfer.connectors import nixl_worker, security
-from kvrelay.kv_transfer.connectors.nixl_push_meta import PushNotification
+from kvrelay.kv_transfer.connectors.nixl_push_meta import PushLanded, PushNotification
+from kvrelay.kv_transfer.transport import nixl_installed
 from kvrelay.kv_transfer.transport.base import FinishedTransfer
 from kvrelay.worker import forward_context
 from tests.kv_transfer.nixl.pd import BLOCK_SIZE, PD, free_port, greedy, kv_threads, make_engine, prompt
@@ -29,6 +30,8 @@ class Write:
     num_blocks: int
     notified: bool
     in_forward: bool  # issued from inside the forward pass (save_kv_layer)
+    landed: PushLanded | None = None  # an earlier write's notification (one-sided transports)
+    notification_bytes: int = 0
 
 
 class Spy:
@@ -36,6 +39,9 @@ class Spy:
         self.writes: list[Write] = []
         self.fail_writes = False
         self.corrupt_checksums = False
+        self.backend = "tcp"
+        self.one_sided = False  # both TCP transports act as NIXL's: D does not see writes land
+        self.drop_landed = 0  # send this many PushLanded notifications as nothing
 
 
 @pytest.fixture
@@ -44,17 +50,23 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     real = nixl_worker.create_transport
 
     def create(backend: str, transfer_config: Any, **kwargs: Any) -> Any:
-        transport = real("tcp", transfer_config, **kwargs)
+        transport = real(spy.backend, transfer_config, **kwargs)
+        if spy.backend == "tcp":
+            transport.sees_writes = not spy.one_sided
         write = transport.write_blocks
 
         def spied(remote: str, local: list[int], remote_ids: list[int], notification: bytes,
                   layers: Any = None) -> Any:
             in_forward = forward_context._forward_context is not None
+            landed = PushLanded.decode(notification)
+            if landed is not None and spy.drop_landed:
+                spy.drop_landed -= 1
+                notification = b""
+            note = PushNotification.decode(notification)
             spy.writes.append(Write(transfer_config.engine_id, tuple(layers or ()), len(local),
-                                    bool(notification), in_forward))
+                                    note is not None, in_forward, landed, len(notification)))
             if spy.fail_writes:
                 return FinishedTransfer("injected write failure")
-            note = PushNotification.decode(notification)
             if spy.corrupt_checksums and note is not None and note.checksums:
                 note.checksums[0] += 1
                 notification = note.encode()
@@ -74,9 +86,9 @@ def make_pair(spy: Spy) -> Iterator[Callable[..., tuple[PD, int]]]:
     def build(p_batch: int = 256, d_policy: str = "recompute", p_extra: dict[str, Any] | None = None,
               d_extra: dict[str, Any] | None = None) -> tuple[PD, int]:
         port = free_port()
-        p = make_engine(push_config("kv_producer", "tcp", port=port, **(p_extra or {})),
+        p = make_engine(push_config("kv_producer", spy.backend, port=port, **(p_extra or {})),
                         max_num_batched_tokens=p_batch)
-        d = make_engine(push_config("kv_consumer", "tcp", policy=d_policy, **(d_extra or {})))
+        d = make_engine(push_config("kv_consumer", spy.backend, policy=d_policy, **(d_extra or {})))
         pairs.append(PD(p, d))
         return pairs[-1], port
 
@@ -147,15 +159,26 @@ def test_chunked_prefill_pushes_each_chunk_layer_by_layer(make_pair, spy, refere
     assert pair.d.get_stats()["prompt_tokens_computed"] == 1
 
 
-def test_checksums_taken_before_the_last_write_agree_across_unaligned_chunks_and_a_p_prefix_hit(
-        make_pair, reference, monkeypatch) -> None:
-    """P folds each layer's final blocks into its checksums during the forward (a chunk's partial
-    last block only once the prompt is complete); D (TCP: it sees each write land) sums every
-    write as it lands. Neither recounts all the KV at the end, and they agree on every block."""
-    def no_full_recount(*args: Any) -> list[int]:
-        raise AssertionError("block_digests over all layers ran at the completing write")
+def _no_full_recount(*args: Any) -> list[int]:
+    raise AssertionError("block_digests over all layers ran at the completing write")
 
-    monkeypatch.setattr(security, "block_digests", no_full_recount)
+
+# (backend, one-sided): TCP as it is (D sees each write land), TCP acting one-sided, real NIXL
+ONE_SIDED = [pytest.param(("tcp", False), id="tcp-sees-writes"),
+             pytest.param(("tcp", True), id="tcp-as-one-sided"),
+             pytest.param(("nixl", True), id="nixl",
+                          marks=pytest.mark.skipif(not nixl_installed(), reason="no nixl transport"))]
+
+
+@pytest.mark.parametrize("one_sided", ONE_SIDED)
+def test_checksums_taken_before_the_last_write_agree_across_unaligned_chunks_and_a_p_prefix_hit(
+        make_pair, spy, reference, monkeypatch, one_sided) -> None:
+    """P folds each layer's final blocks into its checksums during the forward (a chunk's partial
+    last block only once the prompt is complete); D sums every write as it lands (TCP: it sees
+    each write land; one-sided: each write's notification says what landed). Neither recounts
+    all the KV at the end, and they agree on every block."""
+    monkeypatch.setattr(security, "block_digests", _no_full_recount)
+    spy.backend, spy.one_sided = one_sided
     pair, port = make_pair(p_batch=18)  # chunks end inside blocks
     first = prompt(9 * BLOCK_SIZE + 3, 63)
     second = [*first[:6 * BLOCK_SIZE], *prompt(3 * BLOCK_SIZE + 1, 64)]  # P's prefix cache hit
@@ -202,10 +225,68 @@ def test_a_failed_write_ends_in_the_failure_policy(make_pair, spy, reference, po
     assert pair.d.get_stats()["kv_load_failures"] == 1
 
 
-def test_a_checksum_mismatch_is_recomputed(make_pair, spy, reference) -> None:
-    pair, port = make_pair()
+def test_one_sided_writes_each_say_what_landed_in_a_small_notification(make_pair, spy, reference) -> None:
+    spy.one_sided = True
+    pair, port = make_pair(p_batch=16)  # 41 tokens: chunks of 16, 16 and 9
+    tokens = prompt(10 * BLOCK_SIZE + 1, 71)
+    out = push(pair, port, "o", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    writes = [w for w in spy.writes if w.num_blocks]
+    assert [w.layers for w in writes] == [(layer,) for _ in range(3) for layer in range(NUM_LAYERS)]
+    earlier, last = writes[:-1], writes[-1]
+    assert last.notified and last.landed is None and not any(w.notified for w in earlier)
+    ranges = [(w.landed.layers, w.landed.start, w.landed.end) for w in earlier if w.landed is not None]
+    assert ranges == [([0], 0, 4), ([1], 0, 4), ([0], 4, 8), ([1], 4, 8), ([0], 8, 11)]
+    assert max(w.notification_bytes for w in earlier) < 100
+
+
+def test_tcp_writes_carry_no_landed_notification(make_pair, spy, reference) -> None:
+    pair, port = make_pair(p_batch=16)
+    out = push(pair, port, "t", prompt(10 * BLOCK_SIZE + 1, 72))
+    assert out.outputs[0].finish_reason is not None
+    assert [w for w in spy.writes if w.landed is not None or (w.notification_bytes and not w.notified)] == []
+
+
+def test_a_lost_landed_notification_falls_back_to_counting_every_block(make_pair, spy, reference,
+                                                                        monkeypatch) -> None:
+    calls: list[int] = []
+    real = security.block_digests
+
+    def counted(*args: Any) -> list[int]:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(security, "block_digests", counted)
+    spy.one_sided, spy.drop_landed = True, 1
+    pair, port = make_pair(p_batch=16)
+    tokens = prompt(10 * BLOCK_SIZE + 1, 73)
+    out = push(pair, port, "lost", tokens)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    assert calls == [1]
+    stats = pair.d.get_stats()
+    assert stats["kv_load_failures"] == 0 and stats["prompt_tokens_computed"] == 1
+
+
+def test_landed_notifications_for_a_receive_that_ended_are_ignored(make_pair, spy, reference) -> None:
+    spy.one_sided = True
+    pair, port = make_pair(p_batch=16)
+    push(pair, port, "ended", prompt(10 * BLOCK_SIZE + 1, 74))
+    receiver = pair.d.runner.connector.worker.receiver
+    stale = [w.landed for w in spy.writes if w.landed is not None]
+    assert stale
+    for landed in stale:  # delivered again, after the receive finished
+        receiver._on_notification(landed.encode())
+    results = receiver.poll()
+    assert not results.finished and not results.failed and not results.stats
+
+
+@pytest.mark.parametrize("one_sided", ONE_SIDED)
+def test_a_checksum_mismatch_is_recomputed(make_pair, spy, reference, monkeypatch, one_sided) -> None:
+    monkeypatch.setattr(security, "block_digests", _no_full_recount)  # caught by the landed sums
+    spy.backend, spy.one_sided = one_sided
+    pair, port = make_pair(p_batch=16)
     spy.corrupt_checksums = True
-    tokens = prompt(3 * BLOCK_SIZE + 1, 65)
+    tokens = prompt(10 * BLOCK_SIZE + 1, 65)
     out = push(pair, port, "x", tokens)
     assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
     stats = pair.d.get_stats()
