@@ -2,7 +2,8 @@
 the log-probabilities of the same instance at TP 1 (one in-process worker) within 1e-4, through
 prefill, decode, chunked prefill, prefix-cache hits and preemption; KV heads split (2 and 4 KV
 heads) and replicated (1 KV head at TP 2, 2 KV heads at TP 4); Llama, Qwen2 (q/k/v bias) and
-Qwen3 (q/k norm); vocabularies that split evenly over the ranks and ones that do not. The default model, SmolLM2 (3 KV heads), at TP 3 gives TP 1's greedy tokens.
+Qwen3 (q/k norm); vocabularies that split evenly over the ranks and ones that do not. The default
+model, SmolLM2 (3 KV heads), at TP 3 gives TP 1's greedy tokens.
 
 Each case starts its worker processes once (on a shared 2-core machine that is the cost)."""
 

@@ -291,7 +291,7 @@ class MooncakeTransport(KVTransport):
             job.handle.settle(error)
             if error is not None:
                 return
-        if job.write and not job.notification:  # a push's intermediate layers notify nobody
+        if job.write and not job.notification:  # nothing to say (TCP-style pushes, none here today)
             return
         address = (remote.info.notify_host, remote.info.notify_port)
         if address not in clients:
