@@ -136,10 +136,11 @@ class CausalLM(nn.Module):
 
         NOTE: vocab-parallel above TP 1: each rank multiplies its share of the LM head's rows
         (a view of the replicated weight, so no extra memory) and rank 0 gathers the logits.
-        At TP 2 on the 2-core VM that took 0.58x, 0.67x and 0.82x the time of rank 0 computing
-        them all at 1, 16 and 64 rows (`benchmarks/bench_tp.py --rows vocab`). The embedding
-        stays replicated: a lookup is cheaper than the all-reduce a vocab-parallel one needs
-        (3-9x in the same run)."""
+        At TP 2 on the 2-core VM that took 0.56-0.67x the time of rank 0 computing them all at
+        1 and 16 rows in three of four runs (1.01-1.04x in the most loaded one) and 0.82-1.35x
+        at 64 (`benchmarks/bench_tp.py --rows vocab`); decode samples few rows a step. The
+        embedding stays replicated: a lookup took a third to a ninth of a vocab-parallel one's
+        time (which needs an all-reduce)."""
         tp, weight = self.tp, self.lm_head.weight
         if tp.size == 1:
             return linear(hidden, weight).float()
