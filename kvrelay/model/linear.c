@@ -1,7 +1,7 @@
 /* y = x . W^T (+ bias) for the CPU, float32, for the few-row products of decode steps.
  *
  * Compiled on first use by kvrelay/model/native.py (cc -O3 -march=<target> -fopenmp) and called
- * through ctypes; kvrelay/model/layers.py uses it for 3..512 rows and MKL (through torch) for the
+ * through ctypes; kvrelay/model/layers.py uses it for 1..512 rows and MKL (through torch) for the
  * rest, or everywhere when it is unavailable.
  *
  * Why: MKL multiplies a 576 x 3072 weight by 8-48 rows at 50-100 GFLOP/s on this project's 2-core
@@ -12,6 +12,11 @@
  * registers (AVX-512) 6 x rows, 24 sums, 10 loads per 24 FMAs; with 16 (AVX2) 3 x rows, 12 sums, 7
  * loads per 12 FMAs (3 x 4 measured at ~70% of this CPU's 256-bit FMA peak at 64 rows, as 6 x 4 is
  * of the 512-bit one; 2 x 4 and 4 x 4, which spills, were no faster).
+ *
+ * One or two rows (single-stream decode) read the weight once and do almost no arithmetic, so
+ * only how the weight streams matters: there each thread walks its rows one after another, a
+ * single sequential stream, which on an AMD EPYC read SmolLM2's weights at 29-31 GB/s against
+ * 24-27 for the 4-row tiles' four interleaved streams (2026-12-03, both builds).
  *
  * Layout: x [M, K] (row stride ldx), W [N, K] row-major (as torch stores a Linear's weight),
  * bias [N] or NULL, y [M, N] contiguous. Needs K % 16 == 0 and N % 4 == 0 (the caller checks).
@@ -93,6 +98,31 @@ DEFINE_TILE(1, 1) DEFINE_TILE(2, 1) DEFINE_TILE(3, 1)
 #define TILE_TABLE(PF) {0, tile_1_##PF, tile_2_##PF, tile_3_##PF}
 #endif
 
+/* y[j, 0..3] for j < R <= 2 and four weight rows, one weight row at a time: a single sequential
+ * stream through the weight, which the hardware prefetchers follow best when reading the weight is
+ * the whole cost. Each dot product is summed in the order of TILE_STEP and the tile's sums4, so a
+ * row's result does not depend on how many rows share the call. */
+static void rows4_few(int64_t R, int64_t K, const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,
+                      const float *bias) {
+    vf acc[2][NR];
+    for (int i = 0; i < NR; i++) {
+        const float *wi = w + i * K;
+        vf a0 = (vf){0}, a1 = (vf){0};
+        if (R == 1)
+            for (int64_t k = 0; k < K; k += VLEN) a0 += load(x + k) * load(wi + k);
+        else
+            for (int64_t k = 0; k < K; k += VLEN) {
+                const vf wv = load(wi + k);
+                a0 += load(x + k) * wv;
+                a1 += load(x + ldx + k) * wv;
+            }
+        acc[0][i] = a0;
+        acc[1][i] = a1;
+    }
+    const vf4 b = bias ? load4(bias) : (vf4){0};
+    for (int j = 0; j < R; j++) store4(y + j * ldy, sums4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]) + b);
+}
+
 typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, float *, int64_t, const float *);
 static const tile_fn TILES[2][MR + 1] = {TILE_TABLE(0), TILE_TABLE(1)};
 
@@ -104,12 +134,17 @@ void linear_f32(const float *x, int64_t ldx, const float *w, const float *bias, 
     {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads(), tiles = N / NR;
         const int64_t lo = tiles * t / T * NR, hi = tiles * (t + 1) / T * NR;  /* this thread's rows */
-        for (int64_t block = lo; block < hi; block += rows_per_block) {
-            const int64_t end = block + rows_per_block < hi ? block + rows_per_block : hi;
-            for (int64_t m = 0; m < M; m += MR) {
-                const tile_fn tile = TILES[m == 0][M - m < MR ? M - m : MR];  /* first pass prefetches */
-                for (int64_t n = block; n < end; n += NR)
-                    tile(K, x + m * ldx, ldx, w + n * K, y + m * N + n, N, bias ? bias + n : NULL);
+        if (M <= 2) {
+            for (int64_t n = lo; n < hi; n += NR)
+                rows4_few(M, K, x, ldx, w + n * K, y + n, N, bias ? bias + n : NULL);
+        } else {
+            for (int64_t block = lo; block < hi; block += rows_per_block) {
+                const int64_t end = block + rows_per_block < hi ? block + rows_per_block : hi;
+                for (int64_t m = 0; m < M; m += MR) {
+                    const tile_fn tile = TILES[m == 0][M - m < MR ? M - m : MR];  /* first pass prefetches */
+                    for (int64_t n = block; n < end; n += NR)
+                        tile(K, x + m * ldx, ldx, w + n * K, y + m * N + n, N, bias ? bias + n : NULL);
+                }
             }
         }
     }

@@ -44,6 +44,22 @@ def test_native_linear_equals_f_linear(num_rows: int, out_features: int, in_feat
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("in_features", [48, 576])
+def test_native_linear_gives_a_row_the_same_bits_alone_or_in_a_batch(in_features: int, arch: str) -> None:
+    """1-2 rows take their own weight-streaming loop; it sums in the tiles' order, so a sequence's
+    logits do not depend on how many others share its decode step."""
+    kernel = linear_for(arch)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, in_features), torch.randn(40)
+    x = torch.randn(7, in_features)
+    batch = kernel(x, weight, bias)
+    assert torch.equal(kernel(x[:1], weight, bias), batch[:1])
+    assert torch.equal(kernel(x[3:5], weight, bias), batch[3:5])
+    wide = torch.randn(2, 2 * in_features)  # two strided rows
+    assert torch.equal(kernel(wide[:, :in_features], weight, bias),
+                       kernel(wide[:, :in_features].contiguous(), weight, bias))
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_linear_splits_rows_over_any_thread_count(threads: int, arch: str) -> None:
     kernel = linear_for(arch)
