@@ -21,6 +21,10 @@ run, the ratio and the target. Measurements:
 4. prefill tok/s of a 1024-token prompt against one transformers forward over it;
 5. peak RSS beyond the KV cache, and the load time of a second start (fresh processes).
 
+Under the table, floors for rows 1 and 2 (benchmarks/floors.py): the fastest each could be on
+this host, from the bytes or FLOPs it needs and this CPU's measured bandwidth or peak FMA rate,
+and so the largest ratio against vLLM any float32 implementation could reach.
+
 When vLLM's CPU build is installed in a virtual environment of its own (`make bench-vllm` makes
 `.venv-vllm`; or `--vllm-python PATH`), rows 1 and 2 get a second baseline column: vLLM running
 the same weights (a Hugging Face directory written from kvrelay's converted GGUF), fp32, on the
@@ -411,7 +415,7 @@ def add_vllm_column(python: Path, spec: ModelSpec, threads: int, single: Row | N
 
 
 def floor_notes(spec: ModelSpec, single: Row | None, single_tokens: int, mixed: Row | None,
-                num_requests: int) -> list[str]:
+                num_requests: int, threads: int) -> list[str]:
     """How fast the single-stream and mixed rows could be on this host at the very best
     (benchmarks/floors.py), and what ratio against vLLM that would allow."""
     notes = []
@@ -423,7 +427,9 @@ def floor_notes(spec: ModelSpec, single: Row | None, single_tokens: int, mixed: 
                      f"weights at {f.rate / 1e9:.1f} GB/s ({f.how}): at most {best:.1f} tok/s{vs}")
     if mixed is not None:
         reqs = [(len(p), o) for p, o in mixed_requests(num_requests, spec.vocab_size)]
-        f = floors.compute_floor(spec, reqs)
+        f = floors.compute_floor(spec, reqs, threads)
+        if f is None:
+            return [*notes, "mixed-workload floor: not measured (no C compiler)"]
         useful = sum(p + o for p, o in reqs)
         vs = f", {useful / f.seconds / mixed.vllm:.2f}x vLLM" if mixed.vllm else ""
         notes.append(f"mixed-workload floor: {f.work / 1e12:.2f} TFLOP at {f.rate / 1e9:.0f} GFLOP/s "
@@ -486,7 +492,7 @@ def main() -> None:
     if vllm_python is not None and (single is not None or mixed is not None):
         vllm_notes = add_vllm_column(vllm_python, loaded.spec, args.threads, single, single_ids, mixed,
                                      num_requests)
-    vllm_notes += floor_notes(loaded.spec, single, len(single_ids), mixed, num_requests)
+    vllm_notes += floor_notes(loaded.spec, single, len(single_ids), mixed, num_requests, args.threads)
     if want("step"):
         rows.extend(bench_step_efficiency(loaded, batch=64, decode_steps=8 if args.quick else 16))
     if want("prefill"):

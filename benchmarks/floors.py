@@ -1,22 +1,28 @@
 """Lower bounds on the offline benchmark's rows from the work they contain and this host's speed.
 
-A ratio target against another engine is only reachable if the time it implies is above what
-the work needs on this host at the very best. These floors are deliberately optimistic, so a
-target under them is out of reach for any implementation of the same fp32 arithmetic:
+A ratio target against another engine is reachable only if the time it implies is above what
+the work needs on this host at the very best. Both floors are optimistic on purpose:
 
-- compute floor of a workload: the FLOPs it cannot avoid (every weight matmul of every prompt
-  and generated token, the LM head for each sampled row only, causal attention over the context)
-  at the best fp32 matmul rate measured here (torch's `F.linear` on the model's own weight shapes
-  at several row counts, the fastest single pass of any), as if every FLOP ran at that rate;
+- compute floor of a workload: the FLOPs no float32 implementation can avoid (every weight matmul
+  of every prompt token and fed-back output token, the LM head for each sampled row only, causal
+  attention over the context) at this CPU's peak FMA rate, measured by `fma_peak.c` (register-only
+  vector FMAs on every thread, nothing read from memory), as if every FLOP ran at that rate;
 - bandwidth floor of single-stream decode: each step reads every weight once, at the best
-  streaming read rate measured here (a reduction over a buffer the size of the weights).
+  streaming read rate measured here (a reduction over a buffer the size of the weights; a better
+  read may beat it a little, so this one is an estimate, not a proof).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import shlex
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -61,32 +67,30 @@ def _best_seconds(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
-def best_matmul_rate(spec: ModelSpec, rows: Sequence[int] = (128, 256, 512, 1024, 2048),
-                     reps: int = 5) -> float:
-    """The fastest fp32 FLOP/s of one `F.linear` pass over the model's four per-layer weight shapes
-    (qkv, o, gate_up, down) at any of `rows`."""
-    h, q, kv, inter = (spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
-                       spec.intermediate_size)
-    weights = [torch.randn(q + 2 * kv, h), torch.randn(h, q), torch.randn(2 * inter, h),
-               torch.randn(h, inter)]
-    best = 0.0
-    for n in rows:
-        xs = [torch.randn(n, w.shape[1]) for w in weights]
-        flops = 2.0 * n * sum(w.numel() for w in weights)
-
-        def one_pass(xs: list[torch.Tensor] = xs) -> None:
-            for x, w in zip(xs, weights, strict=True):
-                torch.nn.functional.linear(x, w)
-
-        best = max(best, flops / _best_seconds(one_pass, reps))
-    return best
+def fma_peak(threads: int, reps: int = 7) -> float | None:
+    """The best of `reps` runs of `fma_peak.c` on `threads` threads, in FLOP/s; None without a C
+    compiler."""
+    here = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = Path(tmp) / "fma_peak.so"
+        command = [*shlex.split(os.environ.get("CC") or "cc"), "-O3", "-march=native", "-fopenmp",
+                   "-shared", "-fPIC", f"-I{here.parent / 'kvrelay' / 'model'}", str(here / "fma_peak.c"),
+                   "-o", str(lib)]
+        try:
+            subprocess.run(command, check=True, capture_output=True)
+        except FileNotFoundError:
+            return None
+        fn = ctypes.CDLL(str(lib)).fma_peak
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_int]
+        return max(fn(10_000_000, threads) for _ in range(reps))
 
 
-def compute_floor(spec: ModelSpec, reqs: Sequence[tuple[int, int]]) -> Floor:
+def compute_floor(spec: ModelSpec, reqs: Sequence[tuple[int, int]], threads: int) -> Floor | None:
     flops = workload_flops(spec, reqs)
-    rate = best_matmul_rate(spec)
-    return Floor(flops / rate, flops, rate,
-                 "best fp32 F.linear pass over the model's weight shapes, 128-2048 rows")
+    rate = fma_peak(threads)
+    if rate is None:
+        return None
+    return Floor(flops / rate, flops, rate, f"peak FMA rate of {threads} threads, fma_peak.c")
 
 
 def bandwidth_floor(spec: ModelSpec, tokens: int, reps: int = 5) -> Floor:
