@@ -11,13 +11,14 @@ format against float32 KV measured in the same run:
   quality   32 prompts x 64 greedy tokens through LLM(kv_cache_dtype=...): greedy agreement with
             float32 KV (share of the 2048 positions holding the same token) and mean |logprob
             difference| of the generated tokens over each prompt's positions before its first
-            disagreement (where both runs saw the same tokens, so the difference is the format's)
+            disagreement (where both runs saw the same tokens, so the difference is the format's),
+            and how many prompts parted from float32's tokens at all, at which position
 
 Targets (issue 14): bf16 halves the bytes and cuts attention time >= 35% at batch 64 with >= 95%
 greedy agreement; fp8 quarters the bytes, agreement as measured.
 
     .venv/bin/python benchmarks/bench_kv_formats.py [--formats ...] [--steps 20] [--reps 3]
-        [--skip-quality] [--threads 2]
+        [--skip-quality | --quality-only] [--threads 2]
 """
 
 from __future__ import annotations
@@ -191,16 +192,19 @@ def quality_rows(formats: list[str], max_tokens: int) -> list[dict[str, Any]]:
     for name in formats:
         same = total = 0
         diffs: list[float] = []
+        parted: list[int] = []  # each diverging prompt's first differing position
         for (ref_ids, ref_lp), (ids, lp) in zip(runs["float32"], runs[name], strict=True):
             same += sum(a == b for a, b in zip(ref_ids, ids, strict=True))
             total += len(ref_ids)
-            for a, b, la, lb in zip(ref_ids, ids, ref_lp, lp, strict=True):
+            for i, (a, b, la, lb) in enumerate(zip(ref_ids, ids, ref_lp, lp, strict=True)):
                 if a != b:
+                    parted.append(i)
                     break
                 diffs.append(abs(la - lb))
         rows.append({"format": name, "greedy agreement": same / total,
                      "mean |dlogprob|": statistics.fmean(diffs) if diffs else float("nan"),
-                     "positions compared": len(diffs)})
+                     "positions compared": len(diffs),
+                     "prompts parted (at)": f"{len(parted)} {sorted(parted)}" if parted else "0"})
     return rows
 
 
@@ -230,6 +234,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=264)
     parser.add_argument("--quality-tokens", type=int, default=64)
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--quality-only", action="store_true", help="only the quality rows (no timing)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if "float32" not in args.formats:
@@ -240,15 +245,18 @@ def main() -> None:
     spec = (30, 3, 64)
     bytes_rows = [{"format": n, "bytes/token": 2 * spec[0] * spec[1] * spec[2] * kv_format(n).element_size,
                    "vs fp32": kv_format(n).element_size / 4} for n in args.formats]
-    transfer = transfer_rows(args.formats, args.tokens, args.reps)
-    decode = decode_rows(args.formats, args.steps, args.batch, args.context)
+    timed = not args.quality_only
+    transfer = transfer_rows(args.formats, args.tokens, args.reps) if timed else []
+    decode = decode_rows(args.formats, args.steps, args.batch, args.context) if timed else []
     quality = [] if args.skip_quality else quality_rows(args.formats, args.quality_tokens)
     print(f"\nKV cache formats, SmolLM2-135M, {args.threads} threads; {cpu_summary()}")
     print("NOTE: a shared machine; every ratio is against float32 KV measured in the same run.")
     print_rows("KV bytes per token", bytes_rows)
-    print_rows(f"transfer per prompt, block size {BLOCK_SIZE}, best of {args.reps} "
-               f"({'NIXL and TCP' if nixl_available() else 'TCP; NIXL is not installed here'})", transfer)
-    print_rows(f"decode step at batch {args.batch} x {args.context} tokens, median of {args.steps}", decode)
+    if timed:
+        print_rows(f"transfer per prompt, block size {BLOCK_SIZE}, best of {args.reps} "
+                   f"({'NIXL and TCP' if nixl_available() else 'TCP; NIXL is not installed here'})", transfer)
+        print_rows(f"decode step at batch {args.batch} x {args.context} tokens, median of {args.steps}",
+                   decode)
     if quality:
         print_rows(f"quality against float32 KV, {len(PROMPTS)} prompts x {args.quality_tokens} tokens",
                    quality)

@@ -45,6 +45,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       below: on an Intel Xeon (AVX-512, 2026-12-02) one pass over SmolLM2's weights took 41 ms
       against 97 at one thread and 38 against 70 at two, and a decode step of one or two
       sequences ran 2.2-2.3x faster at one thread, with the AVX-512 and the AVX2 (`haswell`) build.
+      On an AMD EPYC the row-split `bmm` was the faster until the kernel read 1-2 rows' weights
+      one row after another (2026-12-03): now both stream at 29-31 GB/s there, and single-stream
+      decode runs at the same speed on either route (medians of 10 alternating runs, 39.6 and
+      39.9 tok/s).
     - when the kernel is unavailable or the shapes don't fit it, up to `_ROW_SPLIT_MAX_TOKENS`
       rows: the weight's rows cut in `_ROW_PARTS` equal parts multiplied as one `bmm`, so each
       thread streams its own part (2.6x faster than `F.linear` at one row on the EPYC, where
