@@ -42,7 +42,7 @@ def test_linear_module_is_a_drop_in_nn_linear() -> None:
 
 # ----------------------------------------------------------------------------- native kernels
 def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """1-512 rows (every decode step, single-stream included) go native; prefill goes to MKL."""
+    """1-512 rows (every decode step, single-stream included) go native; prefill does not."""
     kernel = require_kernel("linear", "native", native.linear_kernel)
     calls: list[int] = []
 
@@ -63,6 +63,32 @@ def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pyte
     linear(torch.randn(8, 40), torch.randn(64, 40))  # in_features 40 does not fit: torch
     linear(torch.randn(1, 40), torch.randn(64, 40))  # nor at one row: the row-split bmm
     assert calls == [1, 2, 3, 64, 512]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prefill_rows_go_to_onednn_on_the_stored_weight(monkeypatch: pytest.MonkeyPatch,
+                                                         with_bias: bool) -> None:
+    """Past 512 rows: oneDNN where torch has it (strided rows too), F.linear where it does not."""
+    if not layers._ONEDNN:
+        pytest.skip("this torch build has no oneDNN (mkldnn)")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 576), (torch.randn(96) if with_bias else None)
+    x = torch.randn(700, 600)[:, 12:588]  # 700 rows of 576, row stride 600
+    calls: list[int] = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args[0].shape[0])  # type: ignore[attr-defined]
+        return onednn(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    out = linear(x, weight, bias)
+    assert calls == [700] and out.shape == (700, 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    linear(torch.randn(600, 576), torch.randn(576, 96).t())  # a transposed weight: F.linear
+    monkeypatch.setattr(layers, "_ONEDNN", False)
+    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias))
+    assert calls == [700]
 
 
 def test_native_linear_off_or_without_compiler_falls_back_to_torch(
