@@ -56,14 +56,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvrelay.kv_transfer.compat import describe_difference
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl import NixlConfig
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
 from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     NixlPushMetadata,
+    PushCancel,
     PushHeartbeat,
-    PushRef,
     PushRegister,
     PushStatuses,
 )
@@ -125,8 +126,10 @@ class PushWorker:
                                                       timeout_s=self.nixl_config.transfer_timeout_seconds)
         self.layout = self.transport.register_kv_caches({name: kv_caches[name] for name in names})
         if self.transfer_config.is_producer:
-            self.sender = PushSender(self.transport, self.kv_spec, self.layout, self.nixl_config, kv_layers)
-            # NOTE: one side channel per rank, on kv_port + tp_rank: D's rank r registers with P's rank r.
+            self.sender = PushSender(self.transport, self.kv_spec, self.layout, self.nixl_config, kv_layers,
+                                     nixl_worker.model_kv_heads(self.kv_spec))
+            # NOTE: one side channel per rank, on kv_port + tp_rank: D's ranks register with the P
+            # ranks that hold their KV heads (nixl_tp.py), and learn P's size from rank 0.
             self.server = SideChannelServer(
                 self.transfer_config.kv_ip, self.transfer_config.kv_port + self.kv_spec.tp_rank,
                 self.keys.channel, self.instance_id,
@@ -137,7 +140,8 @@ class PushWorker:
                 engine_id=self.transfer_config.engine_id, backend=self.nixl_config.backend,
                 block_size=self.kv_spec.block_size, fingerprint_digest=self.kv_spec.fingerprint_digest(),
                 fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout,
-                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size)
+                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size,
+                num_kv_heads=nixl_worker.model_kv_heads(self.kv_spec))
             self.receiver = PushReceiver(self.transport, identity, self.instance_id, self.nixl_config,
                                          self.keys.channel, kv_layers)
 
@@ -201,19 +205,22 @@ class PushWorker:
         return "push_status", self.sender.register(request, self._identity_problem(request))
 
     def _identity_problem(self, request: PushRegister) -> str | None:
+        """Why D's rank holds KV we cannot write, or None. Its TP size, rank, byte ranges and block
+        size are the sender's to check, against its own plan (nixl_push_state.reader_plan)."""
         assert self.layout is not None
-        if request.fingerprint_digest != self.kv_spec.fingerprint_digest():
-            return "the decode instance runs another model or KV format"
-        if (request.tp_size, request.tp_rank) != (self.kv_spec.tp_size, self.kv_spec.tp_rank):
-            return (f"the registration comes from rank {request.tp_rank} of a tensor_parallel_size "
-                    f"{request.tp_size} decode instance; this is rank {self.kv_spec.tp_rank} of "
-                    f"tensor_parallel_size {self.kv_spec.tp_size} (push needs equal sizes, rank to rank)")
-        theirs = (request.backend, request.block_size, len(request.layer_names), request.block_bytes)
-        ours = (self.nixl_config.backend, self.kv_spec.block_size, len(self.layout.layer_names),
-                self.layout.block_bytes)
+        # NOTE: the digest also covers a rank's share of the heads, which differs between TP
+        # sizes; the fingerprint names the model's, so it decides between sizes that differ.
+        if request.tp_size == self.kv_spec.tp_size:
+            if request.fingerprint_digest != self.kv_spec.fingerprint_digest():
+                return "the decode instance runs another model or KV format"
+        else:
+            difference = describe_difference(dict(self.kv_spec.fingerprint), request.fingerprint)
+            if difference is not None:
+                return f"the decode instance runs another model or KV format ({difference})"
+        theirs = (request.backend, request.block_size, len(request.layer_names))
+        ours = (self.nixl_config.backend, self.kv_spec.block_size, len(self.layout.layer_names))
         if theirs != ours:
-            return (f"incompatible KV layout (backend, block_size, layers, block_bytes): theirs {theirs}, "
-                    f"ours {ours}")
+            return f"incompatible KV layout (backend, block_size, layers): theirs {theirs}, ours {ours}"
         return None
 
     def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
@@ -224,7 +231,7 @@ class PushWorker:
 
     def _on_cancel(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None
-        return "push_status", self.sender.cancel(decode(body, PushRef))
+        return "push_status", self.sender.cancel(decode(body, PushCancel))
 
     def close(self) -> None:
         if self.server is not None:

@@ -108,8 +108,8 @@ def plan_writes(num_kv_heads: int, p_tp: int, d_tp: int, p_rank: int, head_bytes
     when a size cannot hold the model's KV heads."""
     if not 0 <= p_rank < p_tp:
         raise ValueError(f"P rank {p_rank} is outside tensor_parallel_size {p_tp}")
-    return {d_rank: read for d_rank in range(d_tp)
-            for read in plan_reads(num_kv_heads, p_tp, d_tp, d_rank, head_bytes).reads if read.p_rank == p_rank}
+    plans = {d_rank: plan_reads(num_kv_heads, p_tp, d_tp, d_rank, head_bytes) for d_rank in range(d_tp)}
+    return {d_rank: read for d_rank, plan in plans.items() for read in plan.reads if read.p_rank == p_rank}
 
 
 def releaser(p_rank: int, d_tp: int) -> int:

@@ -291,7 +291,8 @@ class LandedSums:
     def record(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
         """The bytes of `layers` x `block_ids` just landed (all of them are this receiver's)."""
         positions = [self._position[b] for b in block_ids]
-        sums = [_sums(self.kv_layers[layer], block_ids, self.ranges).cpu().numpy() for layer in layers]  # each [n]
+        sums = [_sums(self.kv_layers[layer], block_ids, self.ranges).cpu().numpy()  # each [n]
+                for layer in layers]
         with self._lock:
             for layer, layer_sums in zip(layers, sums, strict=True):
                 self._sums[layer, positions] = layer_sums
@@ -326,7 +327,8 @@ def _layer_sums(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     return sums[0] if len(sums) == 1 else torch.cat(sums)
 
 
-def _sums(kv: torch.Tensor, block_ids: Sequence[int], ranges: Sequence[tuple[int, int]] | None) -> torch.Tensor:
+def _sums(kv: torch.Tensor, block_ids: Sequence[int],
+          ranges: Sequence[tuple[int, int]] | None) -> torch.Tensor:
     """[n] word sums of one layer's blocks, or of only their `ranges` bytes."""
     if ranges is None:
         return _layer_sums(kv, block_ids)

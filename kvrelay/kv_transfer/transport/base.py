@@ -13,7 +13,7 @@ block of the other, and one head's K (or V) is one contiguous range of a block.
 
 Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU), a built-in TCP
 backend and Mooncake's Transfer Engine (tcp, or rdma where devices exist). All pull (D asks,
-P's side serves the requested blocks); NIXL and TCP also push (`write_blocks`: P writes into
+P's side serves the requested blocks); all three also push (`write_blocks`: P writes into
 blocks D registered with it; the notification then goes to D), whole blocks or byte ranges of
 each, as a read does.
 """

@@ -220,7 +220,8 @@ class NixlTransport(KVTransport):
                 self.agent.send_notif(remote.agent_name, notification)
             return FinishedTransfer()
         if checked is not None:
-            return self._ranged("READ", remote, local_block_ids, remote_block_ids, notification, checked, None)
+            return self._ranged("READ", remote, local_block_ids, remote_block_ids, notification, checked,
+                                None)
         num_layers = len(self.layout.layer_names)
         local = descriptor_indices(local_block_ids, num_layers, self.layout.num_blocks)
         remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks)
@@ -230,14 +231,17 @@ class NixlTransport(KVTransport):
             state = self.agent.transfer(xfer)
         return _NixlRead(self, xfer, state)
 
-    def _ranged(self, op: str, remote: _Remote, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                notification: bytes, ranges: Sequence[ByteRange], layers: Sequence[int] | None) -> TransferHandle:
+    def _ranged(self, op: str, remote: _Remote, local_block_ids: Sequence[int],
+                remote_block_ids: Sequence[int], notification: bytes, ranges: Sequence[ByteRange],
+                layers: Sequence[int] | None) -> TransferHandle:
         """A READ or WRITE of byte ranges of each block: its own descriptor lists, unprepared."""
         assert self.layout is not None
         chosen = range(len(self.layout.layer_names)) if layers is None else layers
+        local_bases = [self.layout.base_addresses[i] for i in chosen]
+        remote_bases = [remote.layout.base_addresses[i] for i in chosen]
         local_addrs, remote_addrs, lengths = range_copies(
-            [self.layout.base_addresses[i] for i in chosen], [remote.layout.base_addresses[i] for i in chosen],
-            self.layout.block_bytes, remote.layout.block_bytes, local_block_ids, remote_block_ids, ranges)
+            local_bases, remote_bases, self.layout.block_bytes, remote.layout.block_bytes, local_block_ids,
+            remote_block_ids, ranges)
         descs = []
         for addrs, layout in ((local_addrs, self.layout), (remote_addrs, remote.layout)):
             rows = np.empty((len(addrs), 3), dtype=np.uint64)  # [L * n * ranges, 3]

@@ -152,7 +152,8 @@ def send_write(transport: TcpTransport, remote: _Remote, local_block_ids: list[i
     """P's side, on a pool thread: one WRIT (WRNG with ranges), and D's answer. Raises
     TransportError."""
     assert transport.layout is not None
-    ids = struct.pack(f"!{len(remote_block_ids)}I", *remote_block_ids) + struct.pack(f"!{len(layers)}I", *layers)
+    ids = (struct.pack(f"!{len(remote_block_ids)}I", *remote_block_ids)
+           + struct.pack(f"!{len(layers)}I", *layers))
     chosen = [transport._layers[layer] for layer in layers]
     block_bytes = transport.layout.block_bytes
     if ranges is None:
@@ -164,7 +165,8 @@ def send_write(transport: TcpTransport, remote: _Remote, local_block_ids: list[i
         header = (_READ.pack(_MAGIC_WRITE_RANGES, len(remote_block_ids), len(notification))
                   + _LAYERS.pack(len(layers)) + _NUM_RANGES.pack(len(ranges)) + ids
                   + struct.pack(f"!{len(flat)}I", *flat) + notification)
-        slices = _range_slices(chosen, local_block_ids, block_bytes, [(r.local_offset, r.length) for r in ranges])
+        local_ranges = [(r.local_offset, r.length) for r in ranges]
+        slices = _range_slices(chosen, local_block_ids, block_bytes, local_ranges)
     views = [memoryview(header), *slices]
     # NOTE: unlike a read, a write is not retried on a fresh connection: its bytes may already
     # be in D's blocks, and only D's answer says what happened.

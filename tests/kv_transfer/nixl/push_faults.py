@@ -21,12 +21,12 @@ class RankFailingPushConnector(NixlPushConnector):
         sender = self.worker.sender
 
         def failing(remote: str, local: list[int], remote_ids: list[int], notification: bytes,
-                    layers: Any = None) -> TransferHandle:
+                    layers: Any = None, ranges: Any = None) -> TransferHandle:
             jobs = sender._jobs.values() if sender is not None else []
-            if any(FAILING_MARK in job.transfer_id and job.registration is not None
-                   and set(remote_ids) <= set(job.registration.request.block_ids) for job in jobs):
+            if any(FAILING_MARK in job.transfer_id and set(remote_ids) <= set(reg.request.block_ids)
+                   for job in jobs for reg in job.registrations):
                 return FinishedTransfer("injected write failure on rank 1")
-            return write(remote, local, remote_ids, notification, layers)
+            return write(remote, local, remote_ids, notification, layers, ranges=ranges)
 
         transport.write_blocks = failing  # type: ignore[method-assign]
 

@@ -44,7 +44,7 @@ def test_the_lease_is_the_shorter_of_ps_and_ds_and_a_stale_heartbeat_renews_noth
     p = sender(lease_seconds=30.0, heartbeat_seconds=5.0, transfer_timeout_seconds=30.0)
     status = p.register(registration("t-a", age_s=0.0, max_age_s=1.0, max_lease_s=0.6), None)
     assert status.state == PUSH_WAITING and status.lease_s == 0.6
-    reg = p._waiting["t-a"]
+    reg = p._waiting["t-a"].registrations[0]
     expires = reg.expires
     ref = PushRef("t-a", "r-t-a")
     p.heartbeat([ref], sent_at=time.time() - 2.0, max_age_s=1.0)  # older than D's timeout

@@ -88,7 +88,7 @@ def tcp_push_pair():
     yield from make_push_pair("tcp")
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", "nixl", "mooncake"])
 def head_push_pair(request):
     """D's blocks hold one KV head (a TP shard of twice P's size): P writes one of its two."""
     generator = torch.Generator().manual_seed(3)
@@ -118,8 +118,8 @@ def test_a_write_by_byte_ranges_lands_one_kv_head_in_a_block_of_another_size(hea
     with pytest.raises(ValueError, match="runs past a block"):
         p.write_blocks("engine-d", [0], [0], b"", ranges=[ByteRange(head_bytes, 0, 2 * head_bytes)])
     with pytest.raises(ValueError, match="overlap"):  # where the write lands
-        p.write_blocks("engine-d", [0], [0], b"",
-                       ranges=[ByteRange(0, 0, head_bytes), ByteRange(head_bytes // 2, head_bytes, head_bytes)])
+        overlapping = [ByteRange(0, 0, head_bytes), ByteRange(head_bytes // 2, head_bytes, head_bytes)]
+        p.write_blocks("engine-d", [0], [0], b"", ranges=overlapping)
 
 
 def test_layer_writes_land_in_the_paired_blocks_of_those_layers_only(push_pair):
