@@ -1,12 +1,15 @@
-"""NixlPushConnector between tensor-parallel instances of equal size: P's rank r writes its heads
-into D's rank r (side channel on kv_port + tp_rank), each rank's checksums are verified on that
-rank, and a request settles only when every rank reported. Answers equal a single instance's;
-one rank's failed write fails the request once and D recomputes it; unequal sizes are refused
-naming both. Every instance ends with no block in use."""
+"""NixlPushConnector between tensor-parallel instances, of equal and of different sizes. A D rank
+learns P's tp_size from P's base port, registers with every P rank that holds its KV heads (P rank
+r listens on kv_port + r) and states the byte ranges of each block it takes; each P rank writes
+its readers exactly those ranges (whole blocks between equal sizes), each reader's checksums cover
+exactly those bytes, and a request settles only when every rank reported. Answers equal a single
+instance's (D computes only each prompt's last token); one P rank's failed write fails the request
+once and D recomputes it; P frees every rank's blocks without waiting for a lease; only a size that
+cannot hold the model's KV heads is refused, naming both sizes. Every instance ends with no block
+in use."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,15 +17,19 @@ import pytest
 
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.llm_engine import LLMEngine
+from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
+from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
+from kvrelay.kv_transfer.connectors.nixl_push_recv_state import PushPeer, handshake_problem
+from kvrelay.kv_transfer.transport.base import RegionLayout
 from tests.kv_transfer.nixl.pd import BLOCK_SIZE, NUM_BLOCKS, PD, greedy, prompt, reference_tokens
 from tests.kv_transfer.nixl.push_faults import FAILING_MARK, failing_push_config
 from tests.kv_transfer.nixl.test_pull_processes import BACKENDS
 from tests.kv_transfer.nixl.test_push_processes import d_params, p_params, push_config
 from tests.tiny import tiny_loaded_model
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 4
-# A short lease: P holds a request nobody registers for (a refused D) until it ends.
+# A short lease: P holds a request a D rank never registers for until it ends.
 EXTRA = {"lease_seconds": 1.5, "heartbeat_seconds": 0.5}
 
 
@@ -38,16 +45,30 @@ def reference() -> Iterator[LLMEngine]:
     engine.shutdown()
 
 
+class Cluster:
+    """Prefill and decode instances of tp 1 and 2 (2 KV heads): P tp 2's rank 1 fails the writes of
+    transfers marked FAILING_MARK."""
+
+    def __init__(self, backend: str) -> None:
+        p2_config = failing_push_config(push_config("kv_producer", backend, **EXTRA))
+        p1_config = push_config("kv_producer", backend, **EXTRA)
+        self.ports = {1: p1_config["kv_port"], 2: p2_config["kv_port"]}
+        self.p = {2: make_engine(p2_config, 2), 1: make_engine(p1_config, 1)}
+        self.d = {tp: make_engine(push_config("kv_consumer", backend, **EXTRA), tp) for tp in (2, 1)}
+
+    def pair(self, p_tp: int, d_tp: int) -> tuple[PD, int]:
+        return PD(self.p[p_tp], self.d[d_tp]), self.ports[p_tp]
+
+    def close(self) -> None:
+        for engine in (*self.p.values(), *self.d.values()):
+            engine.shutdown()
+
+
 @pytest.fixture(scope="module", params=BACKENDS[:2])
-def tp2_pair(request: pytest.FixtureRequest) -> Iterator[tuple[PD, int, str]]:
-    """P tp 2 (rank 1 fails the writes of transfers marked FAILING_MARK) and D tp 2."""
-    backend = request.param
-    p_config = failing_push_config(push_config("kv_producer", backend, **EXTRA))
-    p = make_engine(p_config, 2)
-    d = make_engine(push_config("kv_consumer", backend, **EXTRA), 2)
-    yield PD(p, d), p_config["kv_port"], backend
-    p.shutdown()
-    d.shutdown()
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    built = Cluster(request.param)
+    yield built
+    built.close()
 
 
 def push_all(pd: PD, port: int, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -66,42 +87,64 @@ def settled_without_leaks(pd: PD) -> None:
     assert pd.p.blocks_in_use == 0 and pd.d.blocks_in_use == 0
 
 
-def test_tp2_push_rank_to_rank_answers_like_one_instance(tp2_pair, reference) -> None:
-    pd, port, _ = tp2_pair
-    prompts = {f"ok-{i}": prompt(3 * BLOCK_SIZE + 2 + 5 * i, salt=80 + i) for i in range(2)}
-    before = pd.d.get_stats()
+def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
+    return float(after[key] - before[key])
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 2), (1, 2), (2, 1)])
+def test_every_tp_pair_pushes_like_one_instance(cluster, reference, p_tp: int, d_tp: int) -> None:
+    """tp 2 -> 2 rank to rank in whole blocks; tp 1 -> 2: P's rank writes each D rank its head's
+    slice of every block; tp 2 -> 1: D's rank takes each P rank's head into its slice."""
+    pd, port = cluster.pair(p_tp, d_tp)
+    prompts = {f"ok{p_tp}{d_tp}-{i}": prompt(3 * BLOCK_SIZE + 2 + 5 * i, salt=80 + 7 * p_tp + d_tp + i)
+               for i in range(2)}
+    d_before, p_before = pd.d.get_stats(), pd.p.get_stats()
     assert push_all(pd, port, prompts) == reference_tokens(reference, prompts, MAX_TOKENS)
-    after = pd.d.get_stats()
-    # D computed only each prompt's last token: every rank's blocks arrived and verified
-    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(prompts)
-    assert after["kv_load_failures"] == before["kv_load_failures"]
     settled_without_leaks(pd)
+    d_after, p_after = pd.d.get_stats(), pd.p.get_stats()
+    # D computed only each prompt's last token: every rank's heads arrived and verified
+    assert _delta(d_before, d_after, "prompt_tokens_computed") == len(prompts)
+    assert _delta(d_before, d_after, "kv_load_failures") == 0
+    assert _delta(p_before, p_after, "kv_lease_expired") == 0  # every P rank freed once its readers were done
 
 
-def test_one_ranks_failed_write_fails_the_request_once_and_d_recomputes(tp2_pair, reference) -> None:
-    pd, port, _ = tp2_pair
-    tokens = prompt(4 * BLOCK_SIZE + 1, salt=90)
+@pytest.mark.parametrize("d_tp", [2, 1])
+def test_one_p_ranks_failed_write_fails_the_request_once_and_d_recomputes(cluster, reference, d_tp: int) -> None:
+    """P tp 2's rank 1 fails its writes: to D's rank 1 (equal sizes) or to the heads it holds of
+    D tp 1's only rank. The failure policy applies once; D keeps no pushed block."""
+    pd, port = cluster.pair(2, d_tp)
+    rid = f"{FAILING_MARK}-{d_tp}"
+    tokens = prompt(4 * BLOCK_SIZE + 1, salt=90 + d_tp)
     before = pd.d.get_stats()
-    got = push_all(pd, port, {f"{FAILING_MARK}-a": tokens})
-    assert got == reference_tokens(reference, {f"{FAILING_MARK}-a": tokens}, MAX_TOKENS)
+    assert push_all(pd, port, {rid: tokens}) == reference_tokens(reference, {rid: tokens}, MAX_TOKENS)
     after = pd.d.get_stats()
-    assert after["kv_load_failures"] - before["kv_load_failures"] == 1  # rank 1 only, policy once
-    # the failed receive keeps no pushed block: rank 0's arrived, but rank 1's heads did not
-    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(tokens)
+    assert _delta(before, after, "kv_load_failures") == 1
+    # the failed receive keeps no pushed block: rank 0's heads arrived, but rank 1's did not
+    assert _delta(before, after, "prompt_tokens_computed") == len(tokens)
     settled_without_leaks(pd)
 
 
-def test_a_tp_mismatch_is_refused_naming_both_sizes(tp2_pair, reference, caplog) -> None:
-    pd2, port, backend = tp2_pair
-    d1 = make_engine(push_config("kv_consumer", backend, **EXTRA), 1)
-    pd = PD(pd2.p, d1)
-    try:
-        tokens = prompt(3 * BLOCK_SIZE + 3, salt=95)
-        with caplog.at_level(logging.WARNING):
-            got = push_all(pd, port, {"mismatch": tokens})
-        assert got == reference_tokens(reference, {"mismatch": tokens}, MAX_TOKENS)
-        assert "runs tensor_parallel_size 2 and this decode instance 1" in caplog.text
-        assert d1.get_stats()["kv_load_failures"] == 1
-        settled_without_leaks(pd)
-    finally:
-        d1.shutdown()
+def test_only_a_size_that_cannot_hold_the_kv_heads_is_refused_naming_both_sizes() -> None:
+    """D's rank (tp 1, 2 KV heads of 64 bytes a block) reads P's base-port handshake: tp 1, 2 and 4
+    pair with it; tp 3 holds 2 KV heads neither split nor replicated, and is refused naming both."""
+    head_bytes = 64
+    layout = RegionLayout(("layer.0",), 8, 4 * head_bytes, (0,), "cpu")
+    fingerprint = {"model": "m", "num_kv_heads": 2}
+    me = LocalIdentity(engine_id="d", backend="tcp", block_size=BLOCK_SIZE, fingerprint_digest="x",
+                       fingerprint=fingerprint, layout=layout, tp_rank=0, tp_size=1, num_kv_heads=2)
+    peer = PushPeer("127.0.0.1", 14579, 0, thread=None)  # type: ignore[arg-type]
+
+    def reply(p_tp: int) -> HandshakeReply:
+        p_heads = 2 // p_tp if p_tp <= 2 else 1
+        return HandshakeReply(engine_id="p", instance_id="i", backend="tcp", agent_metadata=b"",
+                              layer_names=["layer.0"], num_blocks=8, block_bytes=2 * p_heads * head_bytes,
+                              base_addresses=[0], device="cpu", block_size=BLOCK_SIZE,
+                              fingerprint_digest="x" if p_tp == 1 else "y", fingerprint=fingerprint,
+                              lease_seconds=5.0,
+                              tp_size=p_tp, transfer_mode="push")
+
+    for p_tp in (1, 2, 4):
+        assert handshake_problem(me, peer, reply(p_tp), p_tp) is None
+    problem = handshake_problem(me, peer, reply(3), 3)
+    assert problem is not None and "runs tensor_parallel_size 3 and this decode instance 1" in problem
+    assert "neither split nor replicated" in problem
