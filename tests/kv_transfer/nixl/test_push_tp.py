@@ -33,28 +33,31 @@ MAX_TOKENS = 4
 EXTRA = {"lease_seconds": 1.5, "heartbeat_seconds": 0.5}
 
 
-def make_engine(config: dict[str, Any], tp: int) -> LLMEngine:
-    return LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
-               max_num_batched_tokens=256, tensor_parallel_size=tp, kv_transfer_config=config).engine
+def make_engine(config: dict[str, Any] | None, tp: int = 1, kv_heads: int = 2) -> LLMEngine:
+    return LLM(loaded_model=tiny_loaded_model(num_key_value_heads=kv_heads), block_size=BLOCK_SIZE,
+               num_blocks=NUM_BLOCKS, max_num_batched_tokens=256, tensor_parallel_size=tp,
+               kv_transfer_config=config).engine
 
 
 @pytest.fixture(scope="module")
 def reference() -> Iterator[LLMEngine]:
-    engine = LLM(loaded_model=tiny_loaded_model(), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS).engine
+    engine = make_engine(None)
     yield engine
     engine.shutdown()
 
 
 class Cluster:
-    """Prefill and decode instances of tp 1 and 2 (2 KV heads): P tp 2's rank 1 fails the writes of
-    transfers marked FAILING_MARK."""
+    """Prefill and decode instances of tp 1 and 2: with 2 KV heads, P tp 2's rank 1 fails the
+    writes of transfers marked FAILING_MARK."""
 
-    def __init__(self, backend: str) -> None:
-        p2_config = failing_push_config(push_config("kv_producer", backend, **EXTRA))
+    def __init__(self, backend: str, kv_heads: int = 2) -> None:
+        p2_config = push_config("kv_producer", backend, **EXTRA)
+        p2_config = failing_push_config(p2_config) if kv_heads == 2 else p2_config
         p1_config = push_config("kv_producer", backend, **EXTRA)
         self.ports = {1: p1_config["kv_port"], 2: p2_config["kv_port"]}
-        self.p = {2: make_engine(p2_config, 2), 1: make_engine(p1_config, 1)}
-        self.d = {tp: make_engine(push_config("kv_consumer", backend, **EXTRA), tp) for tp in (2, 1)}
+        self.p = {2: make_engine(p2_config, 2, kv_heads), 1: make_engine(p1_config, 1, kv_heads)}
+        self.d = {tp: make_engine(push_config("kv_consumer", backend, **EXTRA), tp, kv_heads)
+                  for tp in (2, 1)}
 
     def pair(self, p_tp: int, d_tp: int) -> tuple[PD, int]:
         return PD(self.p[p_tp], self.d[d_tp]), self.ports[p_tp]
@@ -109,7 +112,8 @@ def test_every_tp_pair_pushes_like_one_instance(cluster, reference, p_tp: int, d
 
 
 @pytest.mark.parametrize("d_tp", [2, 1])
-def test_one_p_ranks_failed_write_fails_the_request_once_and_d_recomputes(cluster, reference, d_tp: int) -> None:
+def test_one_p_ranks_failed_write_fails_the_request_once_and_d_recomputes(cluster, reference,
+                                                                         d_tp: int) -> None:
     """P tp 2's rank 1 fails its writes: to D's rank 1 (equal sizes) or to the heads it holds of
     D tp 1's only rank. The failure policy applies once; D keeps no pushed block."""
     pd, port = cluster.pair(2, d_tp)
@@ -122,6 +126,33 @@ def test_one_p_ranks_failed_write_fails_the_request_once_and_d_recomputes(cluste
     # the failed receive keeps no pushed block: rank 0's heads arrived, but rank 1's did not
     assert _delta(before, after, "prompt_tokens_computed") == len(tokens)
     settled_without_leaks(pd)
+
+
+@pytest.fixture(scope="module")
+def replicated() -> Iterator[tuple[Cluster, LLMEngine]]:
+    """One KV head, so every rank of a tp 2 instance holds all of it (TCP only, like the pull's)."""
+    built, reference = Cluster("tcp", kv_heads=1), make_engine(None, kv_heads=1)
+    yield built, reference
+    built.close()
+    reference.shutdown()
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)])
+def test_a_replicated_kv_head_is_pushed_once_to_each_reader_and_every_p_rank_frees(
+        replicated, p_tp: int, d_tp: int) -> None:
+    """tp 1 -> 2: P's rank writes the whole blocks to both D ranks (two readers); tp 2 -> 1: D's
+    rank takes the head from P's rank 0 and tells rank 1, which nobody reads from, to free."""
+    cluster, reference = replicated
+    pd, port = cluster.pair(p_tp, d_tp)
+    prompts = {f"rep{p_tp}{d_tp}-{i}": prompt(9 + 6 * i, salt=120 + 20 * p_tp + 4 * d_tp + i)
+               for i in range(2)}
+    d_before, p_before = pd.d.get_stats(), pd.p.get_stats()
+    assert push_all(pd, port, prompts) == reference_tokens(reference, prompts, MAX_TOKENS)
+    settled_without_leaks(pd)
+    d_after, p_after = pd.d.get_stats(), pd.p.get_stats()
+    assert _delta(d_before, d_after, "prompt_tokens_computed") == len(prompts)
+    assert _delta(d_before, d_after, "kv_load_failures") == 0
+    assert _delta(p_before, p_after, "kv_lease_expired") == 0
 
 
 def test_only_a_size_that_cannot_hold_the_kv_heads_is_refused_naming_both_sizes() -> None:
