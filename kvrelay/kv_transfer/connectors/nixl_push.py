@@ -33,20 +33,30 @@ P has not matched with a request by then is refused).
 Side-channel messages (D -> P; authenticated as for a pull, see side_channel.py):
     handshake      -> handshake_reply   P's engine, model, layout and transfer_mode ("push")
     push_register  -> push_status       D's engine, transport agent and layout, the transfer id,
-                                        a digest of the prompt, its block ids
+                                        a digest of the prompt, its block ids, its TP rank and
+                                        size and the byte ranges of each block it takes
     push_heartbeat -> push_statuses     renews the registrations' leases, reports P's progress
-    push_cancel    -> push_status       D gives up: "cancelled" once no write is in flight
+    push_cancel    -> push_status       D gives up: "cancelled" once no write is in flight; for a
+                                        registration P never took: that D rank will not register
 
 A pull D paired with a push P (or the reverse) is refused at the handshake, naming both modes;
 the request then follows the failure policy (`kv_load_failure_policy`).
 
-Tensor parallelism, equal sizes on both sides: every rank runs its own sender or receiver over
-its own KV shard. P's rank r listens on kv_port + tp_rank; D's rank r registers its blocks with
-P's rank r, which writes its heads into them and notifies with its own checksums, verified on
-D's rank r. The executor's aggregator settles a request only when every rank reported it: D's
-receive fails (and the failure policy applies, once) if any rank's push failed, and P frees a
-request when every rank's push ended. Unequal sizes are refused at D's handshake, naming both
-(a rank with no peer rank on P waits out transfer_timeout_seconds before it reports).
+Tensor parallelism, any two sizes that can hold the model's KV heads: every rank runs its own
+sender or receiver over its own KV shard, and P's rank r listens on kv_port + r. D's rank first
+handshakes P's base port (rank 0), whose reply states P's tp_size, and computes the pull's plan
+(nixl_tp.plan_reads): the P ranks holding its KV heads and the byte ranges of each block each is
+to write (whole blocks between equal sizes: rank r to rank r). It registers with each of them,
+stating those ranges, and tells the P ranks nobody reads from (the ones the plan assigns it) with
+a push_cancel of a registration they never saw that it will not register, so they free at once;
+a full local hit tells every P rank it reads from. P's rank computes the same plan
+(nixl_tp.plan_writes), takes a registration only from a D rank it names and with its ranges,
+writes each reader its ranges (ranged writes), checksums exactly those bytes per reader, and
+frees a request once every reader's push ended (written, failed, cancelled, expired, or
+declined) and no write is in flight. D's rank completes a receive when every P rank it reads
+from notified and its checksums matched; the executor's aggregator settles a request only when
+every D rank reported it, so a failure anywhere applies the failure policy once. Only a size
+that cannot hold the model's KV heads is refused, at D's handshake, naming both sizes.
 """
 
 from __future__ import annotations
