@@ -15,21 +15,20 @@ which posts results to a queue the engine thread drains. A receive moves through
     ->  waiting (heartbeats renew P's lease on the registration and report P's progress)  ->
     the notification of the completing write: checksums verified
 
-and the request settles once, when every one of its receives did: finished_recving when all
-of them finished, failed_recving (the failure counted once) when any failed; the first failure
-gives up the others.
-
-and a failure on the way (mode or model mismatch, refused registration, no progress within
-transfer_timeout_seconds, P dead or restarted, a failed write, an abort) ends in failed_recving,
-after which the scheduler applies the failure policy. Before that, D makes sure no late write
+and a failure on the way (mode, model or TP mismatch, refused registration, no progress within
+transfer_timeout_seconds, P dead or restarted, a failed write, an abort) ends the receive
+unsuccessfully. The request settles once, when every one of its receives did: finished_recving
+when all of them finished, failed_recving (the failure counted once) when any failed, after
+which the scheduler applies the failure policy; the first failure gives up the others. Before a
+receive ends unsuccessfully, D makes sure no late write
 can land in the blocks: the write guard (transports that see writes: TCP) stops admitting them
 at once and D waits for the admitted ones; otherwise (NIXL) D waits for P's "cancelled" or, when P
 does not answer, for the registration's lease to run out (its last renewal, plus the lease, plus
 a write's time bound).
 
 The checksums cover exactly the bytes a P rank writes: whole blocks, or its byte ranges of each
-block, on both sides. Where D sees each write land (TCP), the write guard hands every landed write to
-`_on_landed`, which takes that write's per-layer block sums at once (`security.LandedSums`), so
+block, on both sides. Where D sees each write land (TCP), the write guard hands every landed
+write to `_on_landed`, which takes that write's per-layer block sums at once (`security.LandedSums`), so
 the completing write only combines them. One-sided transports (NIXL, Mooncake) write without D
 knowing, but deliver each write's notification only once its bytes landed: there every earlier
 write carries a `PushLanded` (its layers and prompt blocks), which `poll` sums the same way, and
@@ -195,7 +194,8 @@ class PushReceiver:
             self._on_notification(raw)
         now = time.monotonic()
         for planning in [p for p in self._planning.values() if now >= p.deadline]:
-            self._results.count("timeouts")
+            if not planning.spec.notify_only:  # NOTE: a full hit's (or an abort's) notice only
+                self._results.count("timeouts")
             self._fail_planning(planning, "got no handshake from the prefill instance in time")
         timeout = self.config.transfer_timeout_seconds
         for recv in list(self._recvs.values()):
