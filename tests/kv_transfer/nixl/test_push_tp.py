@@ -22,7 +22,7 @@ from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
 from kvrelay.kv_transfer.connectors.nixl_push_recv_state import PushPeer, handshake_problem
 from kvrelay.kv_transfer.transport.base import RegionLayout
 from tests.kv_transfer.nixl.pd import BLOCK_SIZE, NUM_BLOCKS, PD, greedy, prompt, reference_tokens
-from tests.kv_transfer.nixl.push_faults import FAILING_MARK, failing_push_config
+from tests.kv_transfer.nixl.push_faults import CORRUPT_MARK, FAILING_MARK, failing_push_config
 from tests.kv_transfer.nixl.test_pull_processes import BACKENDS
 from tests.kv_transfer.nixl.test_push_processes import d_params, p_params, push_config
 from tests.tiny import tiny_loaded_model
@@ -125,6 +125,23 @@ def test_one_p_ranks_failed_write_fails_the_request_once_and_d_recomputes(cluste
     assert _delta(before, after, "kv_load_failures") == 1
     # the failed receive keeps no pushed block: rank 0's heads arrived, but rank 1's did not
     assert _delta(before, after, "prompt_tokens_computed") == len(tokens)
+    settled_without_leaks(pd)
+
+
+@pytest.mark.parametrize("d_tp", [2, 1])
+def test_a_p_ranks_wrong_checksum_is_caught_on_its_own_bytes_and_recomputed(cluster, reference,
+                                                                           d_tp: int) -> None:
+    """P tp 2's rank 1 states a wrong checksum for the first block it pushed: D's rank that reads
+    from it (rank 1; or tp 1's only rank, over the slice of rank 1's head) finds that block bad,
+    and D recomputes from it; P rank 0's checksums, over its own bytes, hold."""
+    pd, port = cluster.pair(2, d_tp)
+    rid = f"{CORRUPT_MARK}-{d_tp}"
+    tokens = prompt(4 * BLOCK_SIZE + 1, salt=95 + d_tp)
+    before = pd.d.get_stats()
+    assert push_all(pd, port, {rid: tokens}) == reference_tokens(reference, {rid: tokens}, MAX_TOKENS)
+    after = pd.d.get_stats()
+    assert _delta(before, after, "kv_load_failures") == 1
+    assert _delta(before, after, "prompt_tokens_computed") == len(tokens)  # from the first block on
     settled_without_leaks(pd)
 
 
