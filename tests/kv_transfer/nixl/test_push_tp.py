@@ -136,7 +136,7 @@ def test_a_p_ranks_wrong_checksum_is_caught_on_its_own_bytes_and_recomputed(clus
     and D recomputes from it; P rank 0's checksums, over its own bytes, hold."""
     pd, port = cluster.pair(2, d_tp)
     rid = f"{CORRUPT_MARK}-{d_tp}"
-    tokens = prompt(4 * BLOCK_SIZE + 1, salt=95 + d_tp)
+    tokens = prompt(4 * BLOCK_SIZE + 1, salt=160 + d_tp)  # no block shared with the other tests
     before = pd.d.get_stats()
     assert push_all(pd, port, {rid: tokens}) == reference_tokens(reference, {rid: tokens}, MAX_TOKENS)
     after = pd.d.get_stats()
