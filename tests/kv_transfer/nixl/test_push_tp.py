@@ -111,6 +111,25 @@ def test_every_tp_pair_pushes_like_one_instance(cluster, reference, p_tp: int, d
     assert _delta(p_before, p_after, "kv_lease_expired") == 0  # every P rank freed once its readers were done
 
 
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)])
+def test_a_full_local_hit_on_every_d_rank_lets_every_p_rank_free_at_once(cluster, reference, p_tp: int,
+                                                                          d_tp: int) -> None:
+    """D already holds every full block of the prompt: each D rank tells each P rank it reads from
+    that it will not register, and each P rank frees once all its readers said so."""
+    pd, port = cluster.pair(p_tp, d_tp)
+    tokens = prompt(3 * BLOCK_SIZE + 1, salt=170 + 3 * p_tp + d_tp)
+    push_all(pd, port, {f"warm{p_tp}{d_tp}": tokens})
+    settled_without_leaks(pd)
+    d_before, p_before = pd.d.get_stats(), pd.p.get_stats()
+    rid = f"full{p_tp}{d_tp}"
+    assert push_all(pd, port, {rid: tokens}) == reference_tokens(reference, {rid: tokens}, MAX_TOKENS)
+    settled_without_leaks(pd)
+    d_after, p_after = pd.d.get_stats(), pd.p.get_stats()
+    assert _delta(d_before, d_after, "prompt_tokens_external") == 0  # nothing pushed
+    assert _delta(d_before, d_after, "kv_load_failures") == 0
+    assert _delta(p_before, p_after, "kv_lease_expired") == 0
+
+
 @pytest.mark.parametrize("d_tp", [2, 1])
 def test_one_p_ranks_failed_write_fails_the_request_once_and_d_recomputes(cluster, reference,
                                                                          d_tp: int) -> None:
