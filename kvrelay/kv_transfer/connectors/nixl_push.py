@@ -33,20 +33,30 @@ P has not matched with a request by then is refused).
 Side-channel messages (D -> P; authenticated as for a pull, see side_channel.py):
     handshake      -> handshake_reply   P's engine, model, layout and transfer_mode ("push")
     push_register  -> push_status       D's engine, transport agent and layout, the transfer id,
-                                        a digest of the prompt, its block ids
+                                        a digest of the prompt, its block ids, its TP rank and
+                                        size and the byte ranges of each block it takes
     push_heartbeat -> push_statuses     renews the registrations' leases, reports P's progress
-    push_cancel    -> push_status       D gives up: "cancelled" once no write is in flight
+    push_cancel    -> push_status       D gives up: "cancelled" once no write is in flight; for a
+                                        registration P never took: that D rank will not register
 
 A pull D paired with a push P (or the reverse) is refused at the handshake, naming both modes;
 the request then follows the failure policy (`kv_load_failure_policy`).
 
-Tensor parallelism, equal sizes on both sides: every rank runs its own sender or receiver over
-its own KV shard. P's rank r listens on kv_port + tp_rank; D's rank r registers its blocks with
-P's rank r, which writes its heads into them and notifies with its own checksums, verified on
-D's rank r. The executor's aggregator settles a request only when every rank reported it: D's
-receive fails (and the failure policy applies, once) if any rank's push failed, and P frees a
-request when every rank's push ended. Unequal sizes are refused at D's handshake, naming both
-(a rank with no peer rank on P waits out transfer_timeout_seconds before it reports).
+Tensor parallelism, any two sizes that can hold the model's KV heads: every rank runs its own
+sender or receiver over its own KV shard, and P's rank r listens on kv_port + r. D's rank first
+handshakes P's base port (rank 0), whose reply states P's tp_size, and computes the pull's plan
+(nixl_tp.plan_reads): the P ranks holding its KV heads and the byte ranges of each block each is
+to write (whole blocks between equal sizes: rank r to rank r). It registers with each of them,
+stating those ranges, and tells the P ranks nobody reads from (the ones the plan assigns it) with
+a push_cancel of a registration they never saw that it will not register, so they free at once;
+a full local hit tells every P rank it reads from. P's rank computes the same plan
+(nixl_tp.plan_writes), takes a registration only from a D rank it names and with its ranges,
+writes each reader its ranges (ranged writes), checksums exactly those bytes per reader, and
+frees a request once every reader's push ended (written, failed, cancelled, expired, or
+declined) and no write is in flight. D's rank completes a receive when every P rank it reads
+from notified and its checksums matched; the executor's aggregator settles a request only when
+every D rank reported it, so a failure anywhere applies the failure policy once. Only a size
+that cannot hold the model's KV heads is refused, at D's handshake, naming both sizes.
 """
 
 from __future__ import annotations
@@ -56,14 +66,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from kvrelay.kv_transfer.compat import describe_difference
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl import NixlConfig
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
 from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     NixlPushMetadata,
+    PushCancel,
     PushHeartbeat,
-    PushRef,
     PushRegister,
     PushStatuses,
 )
@@ -125,8 +136,10 @@ class PushWorker:
                                                       timeout_s=self.nixl_config.transfer_timeout_seconds)
         self.layout = self.transport.register_kv_caches({name: kv_caches[name] for name in names})
         if self.transfer_config.is_producer:
-            self.sender = PushSender(self.transport, self.kv_spec, self.layout, self.nixl_config, kv_layers)
-            # NOTE: one side channel per rank, on kv_port + tp_rank: D's rank r registers with P's rank r.
+            self.sender = PushSender(self.transport, self.kv_spec, self.layout, self.nixl_config, kv_layers,
+                                     nixl_worker.model_kv_heads(self.kv_spec))
+            # NOTE: one side channel per rank, on kv_port + tp_rank: D's ranks register with the P
+            # ranks that hold their KV heads (nixl_tp.py), and learn P's size from rank 0.
             self.server = SideChannelServer(
                 self.transfer_config.kv_ip, self.transfer_config.kv_port + self.kv_spec.tp_rank,
                 self.keys.channel, self.instance_id,
@@ -137,7 +150,8 @@ class PushWorker:
                 engine_id=self.transfer_config.engine_id, backend=self.nixl_config.backend,
                 block_size=self.kv_spec.block_size, fingerprint_digest=self.kv_spec.fingerprint_digest(),
                 fingerprint=dict(self.kv_spec.fingerprint), layout=self.layout,
-                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size)
+                tp_rank=self.kv_spec.tp_rank, tp_size=self.kv_spec.tp_size,
+                num_kv_heads=nixl_worker.model_kv_heads(self.kv_spec))
             self.receiver = PushReceiver(self.transport, identity, self.instance_id, self.nixl_config,
                                          self.keys.channel, kv_layers)
 
@@ -201,19 +215,22 @@ class PushWorker:
         return "push_status", self.sender.register(request, self._identity_problem(request))
 
     def _identity_problem(self, request: PushRegister) -> str | None:
+        """Why D's rank holds KV we cannot write, or None. Its TP size, rank, byte ranges and block
+        size are the sender's to check, against its own plan (nixl_push_state.reader_plan)."""
         assert self.layout is not None
-        if request.fingerprint_digest != self.kv_spec.fingerprint_digest():
-            return "the decode instance runs another model or KV format"
-        if (request.tp_size, request.tp_rank) != (self.kv_spec.tp_size, self.kv_spec.tp_rank):
-            return (f"the registration comes from rank {request.tp_rank} of a tensor_parallel_size "
-                    f"{request.tp_size} decode instance; this is rank {self.kv_spec.tp_rank} of "
-                    f"tensor_parallel_size {self.kv_spec.tp_size} (push needs equal sizes, rank to rank)")
-        theirs = (request.backend, request.block_size, len(request.layer_names), request.block_bytes)
-        ours = (self.nixl_config.backend, self.kv_spec.block_size, len(self.layout.layer_names),
-                self.layout.block_bytes)
+        # NOTE: the digest also covers a rank's share of the heads, which differs between TP
+        # sizes; the fingerprint names the model's, so it decides between sizes that differ.
+        if request.tp_size == self.kv_spec.tp_size:
+            if request.fingerprint_digest != self.kv_spec.fingerprint_digest():
+                return "the decode instance runs another model or KV format"
+        else:
+            difference = describe_difference(dict(self.kv_spec.fingerprint), request.fingerprint)
+            if difference is not None:
+                return f"the decode instance runs another model or KV format ({difference})"
+        theirs = (request.backend, request.block_size, len(request.layer_names))
+        ours = (self.nixl_config.backend, self.kv_spec.block_size, len(self.layout.layer_names))
         if theirs != ours:
-            return (f"incompatible KV layout (backend, block_size, layers, block_bytes): theirs {theirs}, "
-                    f"ours {ours}")
+            return f"incompatible KV layout (backend, block_size, layers): theirs {theirs}, ours {ours}"
         return None
 
     def _on_heartbeat(self, body: bytes) -> tuple[str, msgspec.Struct]:
@@ -224,7 +241,7 @@ class PushWorker:
 
     def _on_cancel(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.sender is not None
-        return "push_status", self.sender.cancel(decode(body, PushRef))
+        return "push_status", self.sender.cancel(decode(body, PushCancel))
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,11 +1,22 @@
 """D's write guard for a push over a transport that sees each write (TCP): which blocks a live
-registration owns, which admitted writes are still landing, and who hears when one landed."""
+registration owns, which admitted writes are still landing, and who hears when one landed.
+
+Between tensor-parallel instances of different sizes one of D's blocks can be written by several
+of P's ranks, each its own KV heads' byte ranges under its own registration: a block is owned per
+(block, ranges), and a write is admitted only under the registration that owns exactly its
+blocks and byte ranges."""
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+
+RangesKey = tuple[tuple[int, int], ...] | None  # a write's (offset, length) ranges of each block; None: whole
+
+
+def ranges_key(ranges: Sequence[tuple[int, int]] | None) -> RangesKey:
+    return None if ranges is None else tuple((int(offset), int(length)) for offset, length in ranges)
 
 
 class BlockGuard:
@@ -15,14 +26,16 @@ class BlockGuard:
     def __init__(self, on_landed: Callable[[str, Sequence[int], Sequence[int]], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._on_landed = on_landed  # (registration id, block ids, layers), on the writer's thread
-        self._owner: dict[int, str] = {}  # block id -> registration id
+        self._owner: dict[tuple[int, RangesKey], str] = {}  # (block id, ranges) -> registration id
         self._in_flight: dict[str, int] = defaultdict(int)
-        self._admitted: dict[tuple[int, ...], list[str]] = defaultdict(list)
+        self._admitted: dict[tuple[tuple[int, ...], RangesKey], list[str]] = defaultdict(list)
 
-    def open(self, registration_id: str, block_ids: Sequence[int]) -> None:
+    def open(self, registration_id: str, block_ids: Sequence[int],
+             ranges: Sequence[tuple[int, int]] | None = None) -> None:
+        key = ranges_key(ranges)
         with self._lock:
             for block_id in block_ids:
-                self._owner[block_id] = registration_id
+                self._owner[(block_id, key)] = registration_id
 
     def close(self, registration_id: str) -> None:
         """Admit no more writes for the registration (those admitted still count)."""
@@ -33,31 +46,36 @@ class BlockGuard:
         with self._lock:
             return self._in_flight.get(registration_id, 0)
 
-    def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
+    def admit(self, block_ids: Sequence[int], notification: bytes,
+              ranges: Sequence[tuple[int, int]] | None = None) -> str | None:
         if not block_ids:
             return None  # only a notification: D matches it against a live registration itself
+        key = ranges_key(ranges)
         with self._lock:
-            owners = {self._owner.get(b) for b in block_ids}
+            owners = {self._owner.get((b, key)) for b in block_ids}
             if len(owners) != 1 or None in owners:
-                return f"blocks {sorted(block_ids)[:8]} are not registered for one push here"
+                return (f"blocks {sorted(block_ids)[:8]} (byte ranges {key}) are not registered for one "
+                        "push here")
             (owner,) = owners
             assert owner is not None
             self._in_flight[owner] += 1
-            self._admitted[tuple(block_ids)].append(owner)
+            self._admitted[(tuple(block_ids), key)].append(owner)
             return None
 
-    def landed(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+    def landed(self, block_ids: Sequence[int], layers: Sequence[int],
+               ranges: Sequence[tuple[int, int]] | None = None) -> None:
         if not block_ids or self._on_landed is None:
             return
         with self._lock:
-            owner = self._admitted[tuple(block_ids)][-1]
+            owner = self._admitted[(tuple(block_ids), ranges_key(ranges))][-1]
         self._on_landed(owner, block_ids, layers)
 
-    def done(self, block_ids: Sequence[int], notification: bytes) -> None:
+    def done(self, block_ids: Sequence[int], notification: bytes,
+             ranges: Sequence[tuple[int, int]] | None = None) -> None:
         if not block_ids:
             return
         with self._lock:
-            key = tuple(block_ids)
+            key = (tuple(block_ids), ranges_key(ranges))
             owner = self._admitted[key].pop()
             if not self._admitted[key]:
                 del self._admitted[key]

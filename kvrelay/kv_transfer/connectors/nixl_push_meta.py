@@ -6,11 +6,12 @@ msgspec Structs throughout, so everything crosses a process or a machine as msgp
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from kvrelay.kv_transfer.base import KVConnectorMetadata
+from kvrelay.kv_transfer.transport.base import ByteRange
 
 NOTIFICATION_PREFIX = b"kvrelay-push:"  # a PushNotification
 LANDED_PREFIX = b"kvrelay-landed:"  # a PushLanded
@@ -92,7 +93,24 @@ class PushRegister(msgspec.Struct, kw_only=True):
     # even when its own timeout or lease is longer (0: not stated, P's own apply)
     max_age_s: float = 0.0  # P takes this registration (and its heartbeats) no older than this
     max_lease_s: float = 0.0  # P's lease on the registration: at most this from each renewal
-    tp_size: int = 1  # D's tensor_parallel_size: P's rank r takes only D's rank r, at equal sizes
+    tp_size: int = 1  # D's tensor_parallel_size and this rank: P checks them against its own plan
+    tp_rank: int = 0
+    # NOTE: the byte ranges of each block D's plan takes from this P rank (remote = P's offset,
+    # local = D's; None: whole blocks). P computes its own plan and refuses a registration whose
+    # ranges differ.
+    ranges: list[ByteRange] | None = None
+    fingerprint: dict[str, Any] = msgspec.field(default_factory=dict)  # D's compatibility fingerprint
+
+
+class PushCancel(msgspec.Struct, kw_only=True):
+    """D -> P: stop writing for this registration; or, for a registration P never took, D's rank
+    `tp_rank` (of `tp_size`) will not register: it gave up, needs nothing (a full local hit), or
+    its plan reads nothing from any of this P rank's heads (then the plan's designated D rank
+    says so, and P frees the request at once). tp_size 0: a D that does not say (nobody will)."""
+
+    transfer_id: str
+    registration_id: str
+    tp_size: int = 0
     tp_rank: int = 0
 
 

@@ -1,24 +1,34 @@
 """D's side of a push: register the blocks with the prefill instance, wait for its writes, verify.
 
-One `_Recv` per request, driven by the engine thread (`start`, `abort`, `poll`); everything that
-waits on the network runs on one `PeerThread` per prefill instance (the pull's), which posts
-results to a queue the engine thread drains. A receive moves through
+A request first waits for the handshake with P's base port (rank 0's side channel, once per
+P), which says P's tp_size; with it this rank computes its plan (nixl_tp.plan_reads): the P
+ranks that hold its KV heads, and the byte ranges of each block each is to write (whole blocks
+between equal sizes). It tells the P ranks nobody reads from (the ones the plan gives it) that
+nobody will register, so they free at once; a full local hit tells every P rank it reads from.
 
-    handshake (once per P: its mode, model and layout must match ours)  ->  register (P
-    accepts the blocks: "waiting" for its request, or "writing")  ->  waiting (heartbeats
-    renew P's lease on the registration and report P's progress)  ->  the notification of
-    the completing write: checksums verified -> finished_recving
+Then one `RankRecv` per P rank it reads from, driven by the engine thread (`start`, `abort`,
+`poll`); everything that waits on the network runs on one `PeerThread` per P rank (the pull's),
+which posts results to a queue the engine thread drains. A receive moves through
 
-and a failure on the way (mode or model mismatch, refused registration, no progress within
-transfer_timeout_seconds, P dead or restarted, a failed write, an abort) ends in failed_recving,
-after which the scheduler applies the failure policy. Before that, D makes sure no late write
+    handshake (once per P rank: its mode, model and layout must match ours)  ->  register (P
+    accepts the blocks and the plan's byte ranges: "waiting" for its request, or "writing")
+    ->  waiting (heartbeats renew P's lease on the registration and report P's progress)  ->
+    the notification of the completing write: checksums verified
+
+and a failure on the way (mode, model or TP mismatch, refused registration, no progress within
+transfer_timeout_seconds, P dead or restarted, a failed write, an abort) ends the receive
+unsuccessfully. The request settles once, when every one of its receives did: finished_recving
+when all of them finished, failed_recving (the failure counted once) when any failed, after
+which the scheduler applies the failure policy; the first failure gives up the others. Before a
+receive ends unsuccessfully, D makes sure no late write
 can land in the blocks: the write guard (transports that see writes: TCP) stops admitting them
 at once and D waits for the admitted ones; otherwise (NIXL) D waits for P's "cancelled" or, when P
 does not answer, for the registration's lease to run out (its last renewal, plus the lease, plus
 a write's time bound).
 
-The checksums: where D sees each write land (TCP), the write guard hands every landed write to
-`_on_landed`, which takes that write's per-layer block sums at once (`security.LandedSums`), so
+The checksums cover exactly the bytes a P rank writes: whole blocks, or its byte ranges of each
+block, on both sides. Where D sees each write land (TCP), the write guard hands every landed
+write to `_on_landed`, which takes that write's per-layer block sums at once (`security.LandedSums`), so
 the completing write only combines them. One-sided transports (NIXL, Mooncake) write without D
 knowing, but deliver each write's notification only once its bytes landed: there every earlier
 write carries a `PushLanded` (its layers and prompt blocks), which `poll` sums the same way, and
@@ -32,40 +42,40 @@ import functools
 import logging
 import queue
 import secrets
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from kvrelay.kv_transfer.connectors import security
-from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, HandshakeRequest
+from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
 from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, PullResults
 from kvrelay.kv_transfer.connectors.nixl_push_guard import BlockGuard
+from kvrelay.kv_transfer.connectors.nixl_push_messages import PushMessages
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PUSH_CANCELLED,
-    PUSH_CANCELLING,
     PUSH_REFUSED,
     PUSH_WAITING,
     PUSH_WRITING,
     PUSH_WRITTEN,
-    PushHeartbeat,
     PushLanded,
     PushNotification,
     PushRecv,
     PushRef,
-    PushRegister,
     PushStatus,
-    PushStatuses,
 )
+from kvrelay.kv_transfer.connectors.nixl_push_recv_state import (
+    Planning,
+    PushPeer,
+    RankRecv,
+    RequestRecvs,
+    handshake_problem,
+)
+from kvrelay.kv_transfer.connectors.nixl_tp import plan_reads
 from kvrelay.kv_transfer.connectors.side_channel import (
     PeerThread,
-    SideChannelClient,
-    SideChannelError,
-    decode,
 )
 
 if TYPE_CHECKING:
@@ -75,36 +85,6 @@ if TYPE_CHECKING:
     from kvrelay.kv_transfer.transport.base import KVTransport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Peer:
-    host: str
-    port: int
-    thread: PeerThread
-    reply: HandshakeReply | None = None
-    refs: tuple[PushRef, ...] = ()  # what the heartbeats renew (read by the peer thread)
-    last_beat_sent: float = 0.0  # monotonic, written by the peer thread
-
-
-@dataclass
-class _Recv:
-    spec: PushRecv
-    registration_id: str
-    deadline: float  # monotonic: fail unless P made progress by then
-    state: str = "handshake"  # -> "register" -> "waiting" (-> "cancelling": given up)
-    contacted: bool = False  # a registration went out: P may write until told otherwise
-    last_contact: float = 0.0  # when P last (possibly) renewed its lease, by our clock
-    lease_s: float = 0.0
-    progress: int = -1
-    written_seen: bool = False
-    started: float = 0.0
-    safe: bool = False  # P confirmed no write is or will be in flight
-    safe_after: float = float("inf")
-    aborted: bool = False
-    failure: str = ""
-    landed: security.LandedSums | None = None  # checksum sums of the writes as they land
-    num_landed: int = 0  # PushLanded notifications recorded (one-sided transports)
 
 
 class PushReceiver:
@@ -120,19 +100,18 @@ class PushReceiver:
         self.guard = BlockGuard(self._on_landed if self.sees_writes else None)
         transport.set_write_guard(self.guard)
         self._ctx = zmq.Context()
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._recvs: dict[str, _Recv] = {}
-        self._by_registration: dict[str, _Recv] = {}
+        self._peers: dict[tuple[str, int], PushPeer] = {}
+        self._planning: dict[str, Planning] = {}  # by request id
+        self._recvs: dict[tuple[str, int], RankRecv] = {}  # by (request id, P rank)
+        self._requests: dict[str, RequestRecvs] = {}
+        self._by_registration: dict[str, RankRecv] = {}
         self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []
-        # NOTE: a peer thread sends a registration or heartbeat, and records when, under this
-        # lock, and never for a receive D gave up: D's wait-out bound starts from a real send.
-        self._send_lock = threading.Lock()
-        self._given_up: set[str] = set()  # registration ids
+        self._messages = PushMessages(identity, instance_id, config, transport, self._events)
 
     def has_pending(self) -> bool:
-        return bool(self._recvs)
+        return bool(self._recvs or self._planning)
 
     # ---------------------------------------------------------------- engine thread: intake
 
@@ -141,108 +120,65 @@ class PushReceiver:
             self._results.count("params_rejected")
             self._fail_now(spec.req_id, f"refused its kv_transfer_params: {spec.rejected}")
             return
-        # NOTE: P's rank r listens on remote_port + r and pushes this rank's heads only.
-        spec = msgspec.structs.replace(spec, remote_port=spec.remote_port + self.identity.tp_rank)
-        peer = self._peer_for(spec.remote_host, spec.remote_port)
-        now = time.monotonic()
-        recv = _Recv(spec, secrets.token_hex(12), deadline=now + self.config.transfer_timeout_seconds,
-                     started=now)
-        if spec.notify_only:  # a full local hit: register nothing, so P frees at once
-            peer.thread.submit(functools.partial(self._register_job, recv=recv, reply_event=False))
+        # NOTE: P's rank 0 listens on remote_port: its handshake says P's tp_size, so the plan.
+        base = self._peer_for(spec.remote_host, spec.remote_port, 0)
+        if base.reply is not None:
+            self._plan(spec, base.reply.tp_size)
             return
-        if self.config.verify_checksum:
-            recv.landed = security.LandedSums(self.kv_layers, spec.local_block_ids)
-        self._recvs[spec.req_id] = recv
-        self._by_registration[recv.registration_id] = recv
-        self.guard.open(recv.registration_id, spec.local_block_ids)
-        if peer.reply is not None:
-            self._register(peer, recv)
+        self._planning[spec.req_id] = Planning(spec, base.address,
+                                               time.monotonic() + self.config.transfer_timeout_seconds)
+
+    def _plan(self, spec: PushRecv, p_tp: int) -> None:
+        """Register with every P rank that holds our KV heads; tell the ones nobody reads from."""
+        me = self.identity
+        plan = plan_reads(me.num_kv_heads, p_tp, me.tp_size, me.tp_rank, me.head_bytes)
+        for source in plan.releases:
+            self._decline(spec, source.p_rank)
+        if spec.notify_only:  # a full local hit: nothing to write, P may free the blocks
+            for source in plan.reads:
+                self._decline(spec, source.p_rank)
+            return
+        self._requests[spec.req_id] = RequestRecvs(spec, pending=len(plan.reads))
+        deadline = time.monotonic() + self.config.transfer_timeout_seconds
+        for source in plan.reads:
+            recv = RankRecv(spec, source, spec.remote_port + source.p_rank, secrets.token_hex(12), deadline)
+            if self.config.verify_checksum:
+                recv.landed = security.LandedSums(self.kv_layers, spec.local_block_ids, recv.local_ranges)
+            self._recvs[recv.key] = recv
+            self._by_registration[recv.registration_id] = recv
+            self.guard.open(recv.registration_id, spec.local_block_ids, recv.local_ranges)
+            peer = self._peer_for(spec.remote_host, recv.port, source.p_rank)
+            if peer.reply is not None:
+                self._register(peer, recv)
+
+    def _decline(self, spec: PushRecv, p_rank: int) -> None:
+        peer = self._peer_for(spec.remote_host, spec.remote_port + p_rank, p_rank)
+        peer.thread.submit(functools.partial(self._messages.decline, spec=spec))
 
     def abort(self, req_id: str) -> None:
-        recv = self._recvs.get(req_id)
-        if recv is not None:
+        planning = self._planning.get(req_id)
+        if planning is not None and not planning.spec.notify_only:
+            # NOTE: nothing registered, so nothing can land: settled now; once P's size is known,
+            # its ranks hear that this rank will not register, so they free at once
+            planning.spec = msgspec.structs.replace(planning.spec, notify_only=True)
+            self._results.failed.add(req_id)
+            return
+        for recv in [r for r in self._recvs.values() if r.spec.req_id == req_id]:
             recv.aborted = True
-            self._give_up(recv, "aborted while its KV was being pushed")
+            self._give_up(recv, "aborted while its KV was being pushed", count=False)
 
-    def _peer_for(self, host: str, port: int) -> _Peer:
+    def _peer_for(self, host: str, port: int, p_rank: int) -> PushPeer:
         peer = self._peers.get((host, port))
         if peer is None:
-            beats: list[_Peer] = []  # NOTE: the thread needs its peer, the peer its thread
+            beats: list[PushPeer] = []  # NOTE: the thread needs its peer, the peer its thread
             thread = PeerThread(self._ctx, host, port, self.channel_key, name=f"kv-push-peer-{port}",
-                                heartbeat=lambda client: self._heartbeat_job(client, beats[0]),
+                                heartbeat=lambda client: self._messages.heartbeat(client, beats[0]),
                                 heartbeat_s=self.config.heartbeat_seconds)
-            peer = _Peer(host, port, thread)
+            peer = PushPeer(host, port, p_rank, thread)
             beats.append(peer)
             self._peers[(host, port)] = peer
-            thread.submit(functools.partial(self._handshake_job, peer=peer))
+            thread.submit(functools.partial(self._messages.handshake, peer=peer))
         return peer
-
-    # ---------------------------------------------------------------- peer threads: jobs
-
-    def _handshake_job(self, client: SideChannelClient, peer: _Peer) -> None:
-        request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id="")
-        try:
-            reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
-            self._events.put(("handshake", peer, decode(reply.body, HandshakeReply), None))
-        except SideChannelError as e:
-            self._events.put(("handshake", peer, None, f"handshake with {client.address} failed: {e}"))
-
-    def _register_job(self, client: SideChannelClient, recv: _Recv, reply_event: bool = True) -> None:
-        spec, layout, me = recv.spec, self.identity.layout, self.identity
-        body = PushRegister(
-            transfer_id=spec.transfer_id, registration_id=recv.registration_id, engine_id=me.engine_id,
-            instance_id=self.instance_id, backend=me.backend, agent_metadata=self.transport.agent_metadata(),
-            layer_names=list(layout.layer_names), num_blocks=layout.num_blocks,
-            block_bytes=layout.block_bytes,
-            base_addresses=list(layout.base_addresses), device=layout.device, block_size=me.block_size,
-            fingerprint_digest=me.fingerprint_digest, prompt_digest=spec.prompt_digest,
-            num_prompt_tokens=spec.num_prompt_tokens, first_block=spec.first_block,
-            block_ids=list(spec.local_block_ids), sent_at=time.time(), tp_size=me.tp_size, tp_rank=me.tp_rank,
-            max_age_s=self.config.transfer_timeout_seconds, max_lease_s=self._lease_bound())
-        with self._send_lock:
-            if recv.registration_id in self._given_up:
-                return
-            recv.last_contact = max(recv.last_contact, time.monotonic())
-            client.send("push_register", body)
-        try:
-            reply = client.receive(self.config.transfer_timeout_seconds)
-            status, error, sender = decode(reply.body, PushStatus), None, reply.sender
-        except SideChannelError as e:
-            status, error, sender = None, f"registration failed: {e}", ""
-        if reply_event:
-            self._events.put(("register", recv, status, error, time.monotonic(), sender))
-
-    def _heartbeat_job(self, client: SideChannelClient, peer: _Peer) -> None:
-        with self._send_lock:
-            refs = tuple(ref for ref in peer.refs if ref.registration_id not in self._given_up)
-            if not refs or peer.reply is None:
-                return
-            sent_at = peer.last_beat_sent = time.monotonic()
-            client.send("push_heartbeat", PushHeartbeat(refs=list(refs), sent_at=time.time(),
-                                                        max_age_s=self.config.transfer_timeout_seconds))
-        try:
-            reply = client.receive(min(5.0, peer.thread.heartbeat_s * 2))
-        except SideChannelError as e:
-            logger.warning("NixlPushConnector: heartbeat to %s:%d failed: %s", peer.host, peer.port, e)
-            return
-        statuses = decode(reply.body, PushStatuses).statuses
-        self._events.put(("heartbeat", peer, refs, statuses, sent_at, time.monotonic(), reply.sender))
-
-    def _cancel_job(self, client: SideChannelClient, recv: _Recv) -> None:
-        """Tell P to stop; ask again while its writes are in flight (bounded)."""
-        ref = PushRef(recv.spec.transfer_id, recv.registration_id)
-        deadline = time.monotonic() + self.config.transfer_timeout_seconds
-        try:
-            while True:
-                reply = client.call("push_cancel", ref, min(2.0, self.config.transfer_timeout_seconds))
-                status = decode(reply.body, PushStatus)
-                if status.state != PUSH_CANCELLING or time.monotonic() > deadline or client.stop.is_set():
-                    self._events.put(("cancel", recv, status, reply.sender))
-                    return
-                time.sleep(0.005)
-        except SideChannelError as e:
-            logger.info("NixlPushConnector: cancel of %s unanswered (%s); waiting out its lease",
-                        recv.spec.transfer_id, e)
 
     # ---------------------------------------------------------------- engine thread: progress
 
@@ -257,67 +193,51 @@ class PushReceiver:
         for raw in self.transport.get_notifications():
             self._on_notification(raw)
         now = time.monotonic()
+        for planning in [p for p in self._planning.values() if now >= p.deadline]:
+            if not planning.spec.notify_only:  # NOTE: a full hit's (or an abort's) notice only
+                self._results.count("timeouts")
+            self._fail_planning(planning, "got no handshake from the prefill instance in time")
+        timeout = self.config.transfer_timeout_seconds
         for recv in list(self._recvs.values()):
             if recv.state == "cancelling":
                 self._check_cancelled(recv, now)
             elif now >= recv.deadline:
                 self._results.count("timeouts")
-                timeout = self.config.transfer_timeout_seconds
-                self._give_up(recv, f"saw no progress from the prefill instance for {timeout:.1f} s "
+                self._give_up(recv, f"saw no progress from P rank {recv.source.p_rank} for {timeout:.1f} s "
                                     f"(in the {recv.state} stage)")
         for peer in self._peers.values():
             peer.refs = tuple(PushRef(r.spec.transfer_id, r.registration_id) for r in self._recvs.values()
-                              if (r.spec.remote_host, r.spec.remote_port) == (peer.host, peer.port)
-                              and r.state == "waiting")
+                              if r.address == peer.address and r.state == "waiting")
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, peer: _Peer, reply: HandshakeReply | None, error: str | None) -> None:
-        if self._peers.get((peer.host, peer.port)) is not peer:
+    def _on_handshake(self, peer: PushPeer, reply: HandshakeReply | None, error: str | None) -> None:
+        if self._peers.get(peer.address) is not peer:
             return
         if reply is not None and error is None:
-            error = self._incompatibility(peer, reply)
+            base = self._peers.get((peer.host, peer.port - peer.p_rank))
+            base_tp = base.reply.tp_size if base is not None and base.reply is not None else reply.tp_size
+            error = handshake_problem(self.identity, peer, reply, base_tp)
         if error is not None:
             self._drop_peer(peer, error)
             return
         assert reply is not None
         peer.reply = reply
         peer.thread.heartbeat_s = min(self.config.heartbeat_seconds, reply.lease_seconds / 3)
+        for planning in [p for p in self._planning.values() if p.base == peer.address]:
+            del self._planning[planning.spec.req_id]
+            self._plan(planning.spec, reply.tp_size)
         for recv in list(self._recvs.values()):
-            if self._peer_of(recv) is peer and recv.state == "handshake":
+            if recv.address == peer.address and recv.state == "handshake":
                 self._register(peer, recv)
 
-    def _incompatibility(self, peer: _Peer, reply: HandshakeReply) -> str | None:
-        me = self.identity
-        where = f"the prefill instance at {peer.host}:{peer.port} (engine {reply.engine_id})"
-        mode = getattr(reply, "transfer_mode", "pull")
-        if mode != "push":
-            return (f"{where} runs transfer_mode {mode!r} (NixlConnector) and this decode instance "
-                    "'push' (NixlPushConnector): run both with the same kv_connector")
-        # NOTE: before the fingerprint, which covers the TP mapping and would hide the reason
-        if reply.tp_size != me.tp_size:
-            return (f"{where} runs tensor_parallel_size {reply.tp_size} and this decode instance "
-                    f"{me.tp_size}: NixlPushConnector pushes between equal sizes only (rank r to rank r); "
-                    "configure both instances with the same tensor_parallel_size")
-        if reply.fingerprint_digest != me.fingerprint_digest:
-            return f"{where} runs another model or KV format ({reply.fingerprint}, ours {me.fingerprint})"
-        mismatches = [(name, theirs, ours) for name, theirs, ours in (
-            ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
-            ("num_layers", len(reply.layer_names), len(me.layout.layer_names)),
-            ("block_bytes", reply.block_bytes, me.layout.block_bytes), ("tp_rank", reply.tp_rank, me.tp_rank))
-            if theirs != ours]
-        if mismatches:
-            text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)
-            return f"{where} has an incompatible KV layout ({text}); configure both instances alike"
-        return None
-
-    def _register(self, peer: _Peer, recv: _Recv) -> None:
+    def _register(self, peer: PushPeer, recv: RankRecv) -> None:
         recv.state, recv.contacted = "register", True
-        peer.thread.submit(functools.partial(self._register_job, recv=recv))
+        peer.thread.submit(functools.partial(self._messages.register, recv=recv))
 
-    def _on_register(self, recv: _Recv, status: PushStatus | None, error: str | None,
+    def _on_register(self, recv: RankRecv, status: PushStatus | None, error: str | None,
                      received_at: float, sender: str) -> None:
-        if self._recvs.get(recv.spec.req_id) is not recv or recv.state != "register":
+        if self._recvs.get(recv.key) is not recv or recv.state != "register":
             return
         peer = self._peer_of(recv)
         if status is not None and peer is not None and not self._same_instance(peer, sender):
@@ -325,16 +245,16 @@ class PushReceiver:
         if status is None or status.state not in (PUSH_WAITING, PUSH_WRITING, PUSH_WRITTEN):
             why = error or f"P answered {status.state!r}: {status.error}"  # type: ignore[union-attr]
             recv.safe = status is not None and status.state == PUSH_REFUSED  # nothing was accepted
-            self._give_up(recv, f"its push registration failed: {why}")
+            self._give_up(recv, f"its push registration with P rank {recv.source.p_rank} failed: {why}")
             return
         recv.state, recv.lease_s, recv.last_contact = "waiting", status.lease_s, received_at
         if peer is not None and status.lease_s > 0:
             peer.thread.heartbeat_s = min(peer.thread.heartbeat_s, status.lease_s / 3)
         self._progress(recv, status, received_at)
 
-    def _on_heartbeat(self, peer: _Peer, refs: tuple[PushRef, ...], statuses: list[PushStatus],
+    def _on_heartbeat(self, peer: PushPeer, refs: tuple[PushRef, ...], statuses: list[PushStatus],
                       sent_at: float, received_at: float, sender: str) -> None:
-        if self._peers.get((peer.host, peer.port)) is not peer or not self._same_instance(peer, sender):
+        if self._peers.get(peer.address) is not peer or not self._same_instance(peer, sender):
             return
         by_id = {ref.transfer_id: self._by_registration.get(ref.registration_id) for ref in refs}
         for status in statuses:
@@ -346,9 +266,10 @@ class PushReceiver:
                 self._progress(recv, status, received_at)
             else:
                 recv.safe = status.state in (PUSH_REFUSED, PUSH_CANCELLED)
-                self._give_up(recv, f"the prefill instance stopped the push ({status.state}): {status.error}")
+                self._give_up(recv, f"P rank {recv.source.p_rank} stopped the push ({status.state}): "
+                                    f"{status.error}")
 
-    def _progress(self, recv: _Recv, status: PushStatus, now: float) -> None:
+    def _progress(self, recv: RankRecv, status: PushStatus, now: float) -> None:
         """P computed another layer (or sent the completing write): D waits another timeout."""
         if status.state == PUSH_WAITING:
             return
@@ -358,28 +279,28 @@ class PushReceiver:
             recv.written_seen = recv.written_seen or written
             recv.deadline = now + self.config.transfer_timeout_seconds
 
-    def _on_cancel(self, recv: _Recv, status: PushStatus, sender: str) -> None:
+    def _on_cancel(self, recv: RankRecv, status: PushStatus, sender: str) -> None:
         peer = self._peer_of(recv)
-        if self._recvs.get(recv.spec.req_id) is not recv:
+        if self._recvs.get(recv.key) is not recv:
             return
         if peer is not None and not self._same_instance(peer, sender):
             return
         if status.state == PUSH_CANCELLED:
             recv.safe = True
 
-    def _same_instance(self, peer: _Peer, sender: str) -> bool:
+    def _same_instance(self, peer: PushPeer, sender: str) -> bool:
         """False (and every receive from the peer failed) when P restarted since the handshake:
         the old process is gone, so it writes nothing more."""
         if peer.reply is None or sender == peer.reply.instance_id:
             return True
         for recv in self._recvs.values():
-            if self._peer_of(recv) is peer:
+            if recv.address == peer.address:
                 recv.safe = True
         self._drop_peer(peer, f"the prefill instance at {peer.host}:{peer.port} restarted")
         return False
 
-    def _peer_of(self, recv: _Recv) -> _Peer | None:
-        return self._peers.get((recv.spec.remote_host, recv.spec.remote_port))
+    def _peer_of(self, recv: RankRecv) -> PushPeer | None:
+        return self._peers.get(recv.address)
 
     # ---------------------------------------------------------------- completion
 
@@ -394,7 +315,7 @@ class PushReceiver:
         note = PushNotification.decode(raw)
         recv = self._live_recv(note.transfer_id, note.registration_id) if note is not None else None
         if note is None or recv is None:
-            return  # a full local hit's notification, or one for a receive that ended
+            return  # a notification for a receive that ended
         if recv.state == "cancelling":  # every write of P's had finished: the blocks are safe
             recv.safe = True
             return
@@ -405,11 +326,11 @@ class PushReceiver:
                 recv.landed = None
         self._finish(recv, note.checksums)
 
-    def _live_recv(self, transfer_id: str, registration_id: str) -> _Recv | None:
+    def _live_recv(self, transfer_id: str, registration_id: str) -> RankRecv | None:
         recv = self._by_registration.get(registration_id)
         return recv if recv is not None and recv.spec.transfer_id == transfer_id else None
 
-    def _record_landed(self, recv: _Recv, note: PushLanded) -> None:
+    def _record_landed(self, recv: RankRecv, note: PushLanded) -> None:
         """Engine thread: a one-sided write's bytes landed; sum its blocks now (the prompt blocks
         [start, end) sit in the local blocks the registration listed from `first_block` on)."""
         landed, spec = recv.landed, recv.spec
@@ -429,27 +350,55 @@ class PushReceiver:
             logger.exception("NixlPushConnector: cannot sum a landed write; verifying at the end instead")
             recv.landed = None
 
-    def _finish(self, recv: _Recv, checksums: list[int]) -> None:
+    def _finish(self, recv: RankRecv, checksums: list[int]) -> None:
+        """P rank's completing write arrived: verify exactly the bytes it wrote."""
         spec = recv.spec
         self._forget(recv)
-        results = self._results
-        results.finished.add(spec.req_id)
-        num_bytes = len(spec.local_block_ids) * self.identity.layout.block_bytes * len(self.kv_layers)
-        results.count("bytes_loaded", num_bytes)
-        results.count("tokens_loaded", len(spec.local_block_ids) * self.identity.block_size)
-        results.count("seconds_loading", time.monotonic() - recv.started)
-        if recv.aborted or not self.config.verify_checksum:
+        ranges = recv.source.ranges
+        per_block = self.identity.layout.block_bytes if ranges is None else sum(r.length for r in ranges)
+        self._results.count("bytes_loaded", len(spec.local_block_ids) * per_block * len(self.kv_layers))
+        request = self._requests[spec.req_id]
+        if not recv.aborted and self.config.verify_checksum:
+            # NOTE: where D heard every write land, their sums were taken then: only combining is left
+            local = recv.landed.digests() if recv.landed is not None else None
+            if local is None:
+                local = security.block_digests(self.kv_layers, spec.local_block_ids, recv.local_ranges)
+            bad = list(spec.local_block_ids)  # NOTE: all of them when P sent no checksum per block
+            if len(checksums) == len(local):
+                pairs = zip(spec.local_block_ids, local, checksums, strict=True)
+                bad = [b for b, got, want in pairs if got != want]
+            if bad:
+                logger.warning("NixlPushConnector: request %s: %d of %d blocks pushed by P rank %d failed "
+                               "their checksum; recovering per kv_load_failure_policy", spec.req_id, len(bad),
+                               len(local), recv.source.p_rank)
+                request.invalid_block_ids.update(bad)
+        self._settle(recv, failed=False)
+
+    def _settle(self, recv: RankRecv, failed: bool) -> None:
+        """One of a request's receives ended; report the request when it was the last."""
+        req_id = recv.spec.req_id
+        request = self._requests[req_id]
+        request.pending -= 1
+        request.count_failure = request.count_failure or (failed and recv.count_failure and not recv.aborted)
+        if failed and not request.failed:
+            request.failed = True
+            for sibling in [r for r in self._recvs.values() if r.spec.req_id == req_id]:
+                self._give_up(sibling, f"gave up: its push from P rank {recv.source.p_rank} failed",
+                              count=False)
+        if request.pending > 0 or self._requests.get(req_id) is not request:
             return
-        # NOTE: where D heard every write land, their sums were taken then: only combining is left
-        local = recv.landed.digests() if recv.landed is not None else None
-        if local is None:
-            local = security.block_digests(self.kv_layers, spec.local_block_ids)
-        bad = ([b for b, got, want in zip(spec.local_block_ids, local, checksums, strict=True) if got != want]
-               if len(checksums) == len(local) else list(spec.local_block_ids))
-        if bad:
-            logger.warning("NixlPushConnector: request %s: %d of %d pushed blocks failed their checksum; "
-                           "recovering per kv_load_failure_policy", spec.req_id, len(bad), len(local))
-            results.invalid_block_ids.update(bad)
+        del self._requests[req_id]
+        results = self._results
+        if request.failed:
+            if request.count_failure:
+                results.count("load_failures")
+            results.failed.add(req_id)
+            return
+        results.finished.add(req_id)
+        results.count("tokens_loaded", len(recv.spec.local_block_ids) * self.identity.block_size)
+        results.count("seconds_loading", time.monotonic() - request.started)
+        if request.invalid_block_ids:
+            results.invalid_block_ids.update(request.invalid_block_ids)
             results.count("checksum_failures")
             results.count("load_failures")
 
@@ -467,14 +416,14 @@ class PushReceiver:
 
     # ---------------------------------------------------------------- failures
 
-    def _give_up(self, recv: _Recv, reason: str) -> None:
+    def _give_up(self, recv: RankRecv, reason: str, count: bool = True) -> None:
         """Stop the receive. Its failure is reported once no write of P's can land any more."""
         if recv.state == "cancelling":
             return
-        recv.state, recv.failure = "cancelling", reason
+        recv.state, recv.failure, recv.count_failure = "cancelling", reason, recv.count_failure and count
         self.guard.close(recv.registration_id)
-        with self._send_lock:  # from here on no registration or heartbeat for it leaves
-            self._given_up.add(recv.registration_id)
+        with self._messages.send_lock:  # from here on no registration or heartbeat for it leaves
+            self._messages.given_up.add(recv.registration_id)
         peer = self._peer_of(recv)
         if not recv.contacted:
             recv.safe = True
@@ -487,38 +436,33 @@ class PushReceiver:
             timeout = self.config.transfer_timeout_seconds
             reply = peer.reply if peer is not None else None
             theirs = reply.transfer_timeout_seconds if reply is not None else 0.0
-            lease = max(recv.lease_s, self._lease_bound())
+            lease = max(recv.lease_s, self._messages.lease_bound())
             last = max(recv.last_contact, peer.last_beat_sent if peer is not None else 0.0)
             recv.safe_after = last + timeout + lease + max(timeout, theirs)
         if peer is not None:  # NOTE: also before registering, so P frees the request at once
-            peer.thread.submit(functools.partial(self._cancel_job, recv=recv))
+            peer.thread.submit(functools.partial(self._messages.cancel, recv=recv))
         self._check_cancelled(recv, time.monotonic())
 
-    def _lease_bound(self) -> float:
-        """The longest lease P may hold on one of our registrations from a renewal."""
-        return self.config.heartbeat_seconds * 3
-
-    def _check_cancelled(self, recv: _Recv, now: float) -> None:
+    def _check_cancelled(self, recv: RankRecv, now: float) -> None:
         admitted = self.guard.in_flight(recv.registration_id)
         if self.sees_writes and admitted == 0:
             recv.safe = True  # NOTE: the guard admits nothing more for it, and nothing is landing
         if not recv.safe and now < recv.safe_after:
             return
         if not recv.safe:
-            logger.warning("NixlPushConnector: request %s: P never confirmed the cancel; its lease on "
-                           "the registration has run out", recv.spec.req_id)
+            logger.warning("NixlPushConnector: request %s: P rank %d never confirmed the cancel; its lease "
+                           "on the registration has run out", recv.spec.req_id, recv.source.p_rank)
         self._forget(recv)
-        if not recv.aborted:
+        if recv.count_failure and not recv.aborted:
             logger.warning("NixlPushConnector: request %s %s; recovering per kv_load_failure_policy",
                            recv.spec.req_id, recv.failure)
-            self._results.count("load_failures")
-        self._results.failed.add(recv.spec.req_id)
+        self._settle(recv, failed=True)
 
-    def _forget(self, recv: _Recv) -> None:
+    def _forget(self, recv: RankRecv) -> None:
         self.guard.close(recv.registration_id)
-        with self._send_lock:
-            self._given_up.discard(recv.registration_id)
-        self._recvs.pop(recv.spec.req_id, None)
+        with self._messages.send_lock:
+            self._messages.given_up.discard(recv.registration_id)
+        self._recvs.pop(recv.key, None)
         self._by_registration.pop(recv.registration_id, None)
 
     def _fail_now(self, req_id: str, reason: str) -> None:
@@ -527,17 +471,26 @@ class PushReceiver:
         self._results.count("load_failures")
         self._results.failed.add(req_id)
 
-    def _drop_peer(self, peer: _Peer, reason: str) -> None:
-        if self._peers.get((peer.host, peer.port)) is peer:
-            del self._peers[(peer.host, peer.port)]
+    def _fail_planning(self, planning: Planning, reason: str) -> None:
+        del self._planning[planning.spec.req_id]
+        if not planning.spec.notify_only:  # NOTE: nobody waits for a full hit's (or an abort's) notice
+            self._fail_now(planning.spec.req_id, reason)
+
+    def _drop_peer(self, peer: PushPeer, reason: str) -> None:
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
         peer.thread.close(timeout_s=0.0)
         self._closing.append(peer.thread)
+        for planning in [p for p in self._planning.values() if p.base == peer.address]:
+            self._fail_planning(planning, reason)
         for recv in list(self._recvs.values()):
-            if (recv.spec.remote_host, recv.spec.remote_port) == (peer.host, peer.port):
+            if recv.address == peer.address:
                 self._give_up(recv, reason)
 
     def close(self) -> None:
         self._recvs.clear()
+        self._planning.clear()
+        self._requests.clear()
         self._by_registration.clear()
         self.transport.set_write_guard(None)
         threads = [peer.thread for peer in self._peers.values()] + self._closing

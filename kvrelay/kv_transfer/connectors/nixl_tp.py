@@ -12,6 +12,10 @@ which spreads the D ranks over the replicas. Every D rank computes the same plan
 so each knows how many D ranks read from each P rank: that count is the `n` of the notification
 `"{request_id}:{n}"` P waits for. A P rank no D rank reads from is told by one D rank (the one
 whose rank is the P rank's modulo D's size) to release its blocks, so it frees them at once.
+
+A push runs the same plan the other way (`plan_writes`): P's rank computes every D rank's plan
+and writes to the D ranks whose plan reads from it, exactly the byte ranges that plan names, so
+neither side trusts the other's ranges.
 """
 
 from __future__ import annotations
@@ -94,3 +98,20 @@ def _head_ranges(heads: range, p_heads: range, d_heads: range,
     v_remote = k_remote + len(p_heads) * head_bytes
     v_local = k_local + len(d_heads) * head_bytes
     return ByteRange(k_remote, k_local, length), ByteRange(v_remote, v_local, length)
+
+
+@functools.cache
+def plan_writes(num_kv_heads: int, p_tp: int, d_tp: int, p_rank: int, head_bytes: int) -> dict[int, RankRead]:
+    """Push: the D ranks (of `d_tp`) that take their KV heads from P rank `p_rank` (of `p_tp`), each
+    with the RankRead of its own plan for this P rank (ranges: remote = P's offset, local = D's).
+    Empty when no D rank does (D's rank `p_rank % d_tp` then only tells it to free). ValueError
+    when a size cannot hold the model's KV heads."""
+    if not 0 <= p_rank < p_tp:
+        raise ValueError(f"P rank {p_rank} is outside tensor_parallel_size {p_tp}")
+    plans = {d_rank: plan_reads(num_kv_heads, p_tp, d_tp, d_rank, head_bytes) for d_rank in range(d_tp)}
+    return {d_rank: read for d_rank, plan in plans.items() for read in plan.reads if read.p_rank == p_rank}
+
+
+def releaser(p_rank: int, d_tp: int) -> int:
+    """The D rank that tells P rank `p_rank` to free when no D rank reads from it."""
+    return p_rank % d_tp

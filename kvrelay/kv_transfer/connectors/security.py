@@ -215,11 +215,7 @@ def block_digests(kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int],
         return []
     total = torch.zeros(len(block_ids), dtype=torch.int64, device=kv_layers[0].device)
     for kv in kv_layers:
-        if ranges is not None:
-            layer_sum = _word_sums(_gather_ranges(kv, block_ids, ranges))  # [n]
-        else:
-            layer_sum = _layer_sums(kv, block_ids)  # [n]
-        total = total * _FOLD + layer_sum
+        total = total * _FOLD + _sums(kv, block_ids, ranges)  # [n]
     return [int(x) for x in total.tolist()]
 
 
@@ -234,7 +230,8 @@ def _gather_ranges(kv: torch.Tensor, block_ids: Sequence[int],
 
 
 class DigestFold:
-    """`block_digests` of a prompt's blocks, built one layer's share at a time.
+    """`block_digests` of a prompt's blocks (or of their `ranges` bytes), built one layer's share
+    at a time.
 
     A sender folds each layer's blocks in as soon as they are final (all their tokens computed),
     so when the last layer is done only that layer's share is left, instead of a pass over every
@@ -242,11 +239,13 @@ class DigestFold:
     every layer folds a growing prefix of them. The result is bit-identical to `block_digests`.
     """
 
-    def __init__(self, kv_layers: Sequence[torch.Tensor], num_blocks: int) -> None:
+    def __init__(self, kv_layers: Sequence[torch.Tensor], num_blocks: int,
+                 ranges: Sequence[tuple[int, int]] | None = None) -> None:
         import torch
 
         self.kv_layers = kv_layers
         self.num_blocks = num_blocks
+        self.ranges = ranges  # (offset, length) of each block: only those bytes count
         self.folded = [0] * len(kv_layers)  # per layer: leading blocks already added
         self._weights = _layer_weights(len(kv_layers))
         self._totals = torch.zeros(num_blocks, dtype=torch.int64, device=kv_layers[0].device)  # [num_blocks]
@@ -256,7 +255,7 @@ class DigestFold:
         start, upto = self.folded[layer], min(upto, self.num_blocks)
         if upto <= start:
             return
-        sums = _layer_sums(self.kv_layers[layer], block_ids[start:upto])  # [upto - start]
+        sums = _sums(self.kv_layers[layer], block_ids[start:upto], self.ranges)  # [upto - start]
         self._totals[start:upto] += sums * self._weights[layer]
         self.folded[layer] = upto
 
@@ -276,10 +275,12 @@ class LandedSums:
     Writes may land on several threads at once.
     """
 
-    def __init__(self, kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> None:
+    def __init__(self, kv_layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+                 ranges: Sequence[tuple[int, int]] | None = None) -> None:
         import numpy as np
 
         self.kv_layers = kv_layers
+        self.ranges = ranges  # (offset, length) of each block: only those bytes count
         self._position = {b: i for i, b in enumerate(block_ids)}
         # NOTE: numpy, not torch: written on transport threads, where a tensor made under the
         # engine's inference mode may not be updated in place
@@ -290,7 +291,8 @@ class LandedSums:
     def record(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
         """The bytes of `layers` x `block_ids` just landed (all of them are this receiver's)."""
         positions = [self._position[b] for b in block_ids]
-        sums = [_layer_sums(self.kv_layers[layer], block_ids).cpu().numpy() for layer in layers]  # each [n]
+        sums = [_sums(self.kv_layers[layer], block_ids, self.ranges).cpu().numpy()  # each [n]
+                for layer in layers]
         with self._lock:
             for layer, layer_sums in zip(layers, sums, strict=True):
                 self._sums[layer, positions] = layer_sums
@@ -323,6 +325,14 @@ def _layer_sums(kv: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
 
     sums = [_word_sums(kv[a:b]) for a, b in _runs(block_ids)]  # each [b - a]
     return sums[0] if len(sums) == 1 else torch.cat(sums)
+
+
+def _sums(kv: torch.Tensor, block_ids: Sequence[int],
+          ranges: Sequence[tuple[int, int]] | None) -> torch.Tensor:
+    """[n] word sums of one layer's blocks, or of only their `ranges` bytes."""
+    if ranges is None:
+        return _layer_sums(kv, block_ids)
+    return _word_sums(_gather_ranges(kv, block_ids, ranges))
 
 
 def _word_sums(blocks: torch.Tensor) -> torch.Tensor:

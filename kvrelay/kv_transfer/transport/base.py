@@ -13,8 +13,9 @@ block of the other, and one head's K (or V) is one contiguous range of a block.
 
 Backends: NIXL (UCX; host DRAM here, device memory where there is a GPU), a built-in TCP
 backend and Mooncake's Transfer Engine (tcp, or rdma where devices exist). All pull (D asks,
-P's side serves the requested blocks); NIXL and TCP also push (`write_blocks`: P writes into
-blocks D registered with it; the notification then goes to D).
+P's side serves the requested blocks); all three also push (`write_blocks`: P writes into
+blocks D registered with it; the notification then goes to D), whole blocks or byte ranges of
+each, as a read does.
 """
 
 from __future__ import annotations
@@ -124,6 +125,19 @@ def check_read(local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
             raise ValueError(f"{side} block ids {bad[:8]} are outside the pool of {num_blocks} blocks")
 
 
+def check_write_ranges(ranges: Sequence[ByteRange] | None, local_block_bytes: int,
+                       remote_block_bytes: int) -> list[ByteRange] | None:
+    """check_ranges for a write: the same bounds, but no two ranges may overlap in the remote
+    block, where a write lands (`local_offset` is in the writer's block, `remote_offset` in the
+    receiver's, as for a read)."""
+    if ranges is None:
+        return check_ranges(None, local_block_bytes, remote_block_bytes)
+    flipped = [ByteRange(r[1], r[0], r[2]) for r in ranges]
+    checked = check_ranges(flipped, remote_block_bytes, local_block_bytes)
+    assert checked is not None
+    return [ByteRange(r.local_offset, r.remote_offset, r.length) for r in checked]
+
+
 def check_layers(layers: Sequence[int] | None, num_layers: int) -> list[int]:
     """The layer indices a push writes (every layer for None); ValueError for one outside the pool."""
     chosen = list(range(num_layers)) if layers is None else list(layers)
@@ -185,13 +199,17 @@ class WriteGuard(Protocol):
     (TCP) asks before it lets bytes land, and says when they did. One-sided transports (NIXL)
     cannot ask; there the writer's own promise (the push lease) keeps late writes out."""
 
-    def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
-        """None to accept a write into `block_ids` (then `done` follows), else why not."""
+    def admit(self, block_ids: Sequence[int], notification: bytes,
+              ranges: Sequence[tuple[int, int]] | None = None) -> str | None:
+        """None to accept a write into `block_ids` (then `done` follows), else why not. `ranges`:
+        the (offset, length) byte ranges of each block it writes (None: whole blocks)."""
 
-    def landed(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
+    def landed(self, block_ids: Sequence[int], layers: Sequence[int],
+               ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """Every byte of the admitted write is in place (`done` follows); `layers` are indices."""
 
-    def done(self, block_ids: Sequence[int], notification: bytes) -> None:
+    def done(self, block_ids: Sequence[int], notification: bytes,
+             ranges: Sequence[tuple[int, int]] | None = None) -> None:
         """The admitted write finished (landed or failed): no byte of it arrives later."""
 
 
@@ -237,11 +255,14 @@ class KVTransport(ABC):
 
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,
-                     layers: Sequence[int] | None = None) -> TransferHandle:
+                     layers: Sequence[int] | None = None,
+                     ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         """Start writing local blocks into a remote's blocks, pairwise, for the layers given
-        (indices into the layer order; None: every layer). The remote receives `notification`
-        once the write completed (an empty one is not delivered). Returns immediately; the same
-        errors as read_blocks."""
+        (indices into the layer order; None: every layer): whole blocks, or only `ranges` of each
+        (`local_offset` in this side's block, `remote_offset` in the remote's; the rest of a
+        remote block is left as it was: see check_write_ranges). The remote receives
+        `notification` once the write completed (an empty one is not delivered). Returns
+        immediately; the same errors as read_blocks."""
         raise NotImplementedError(f"the {self.name} transport cannot push blocks")
 
     def set_write_guard(self, guard: WriteGuard | None) -> None:

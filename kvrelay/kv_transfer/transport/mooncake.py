@@ -46,6 +46,7 @@ from kvrelay.kv_transfer.transport.base import (
     check_layers,
     check_ranges,
     check_read,
+    check_write_ranges,
     describe_kv_caches,
     range_copies,
 )
@@ -240,8 +241,10 @@ class MooncakeTransport(KVTransport):
 
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,
-                     layers: Sequence[int] | None = None) -> TransferHandle:
-        """P's side of a push: one-sided WRITEs of the given layers' blocks into the remote's, then
+                     layers: Sequence[int] | None = None,
+                     ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
+        """P's side of a push: one-sided WRITEs of the given layers' blocks (or their byte ranges)
+        into the remote's, then
         the notification (when not empty) over the signed side channel. As with NIXL, the receiver
         does not see the write itself: the push connector's registration lease guards its blocks."""
         remote = self._remotes.get(remote_engine_id)
@@ -250,11 +253,16 @@ class MooncakeTransport(KVTransport):
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before write_blocks")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
-        check_ranges(None, self.layout.block_bytes, remote.layout.block_bytes)
+        checked = check_write_ranges(ranges, self.layout.block_bytes, remote.layout.block_bytes)
         chosen = check_layers(layers, len(self.layout.base_addresses))
-        triples = read_triples([self.layout.base_addresses[i] for i in chosen],
-                               [remote.layout.base_addresses[i] for i in chosen],
-                               self.layout.block_bytes, local_block_ids, remote_block_ids)
+        local_bases = [self.layout.base_addresses[i] for i in chosen]
+        remote_bases = [remote.layout.base_addresses[i] for i in chosen]
+        if checked is None:
+            triples = read_triples(local_bases, remote_bases, self.layout.block_bytes, local_block_ids,
+                                   remote_block_ids)
+        else:
+            triples = range_copies(local_bases, remote_bases, self.layout.block_bytes,
+                                   remote.layout.block_bytes, local_block_ids, remote_block_ids, checked)
         handle = _MooncakeRead()
         self._jobs.put(_Job(remote_engine_id, triples, notification, handle, write=True))
         return handle

@@ -39,6 +39,7 @@ from kvrelay.kv_transfer.transport.base import (
     check_layers,
     check_ranges,
     check_read,
+    check_write_ranges,
     describe_kv_caches,
     range_copies,
 )
@@ -219,7 +220,8 @@ class NixlTransport(KVTransport):
                 self.agent.send_notif(remote.agent_name, notification)
             return FinishedTransfer()
         if checked is not None:
-            return self._read_ranges(remote, local_block_ids, remote_block_ids, notification, checked)
+            return self._ranged("READ", remote, local_block_ids, remote_block_ids, notification, checked,
+                                None)
         num_layers = len(self.layout.layer_names)
         local = descriptor_indices(local_block_ids, num_layers, self.layout.num_blocks)
         remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks)
@@ -229,12 +231,17 @@ class NixlTransport(KVTransport):
             state = self.agent.transfer(xfer)
         return _NixlRead(self, xfer, state)
 
-    def _read_ranges(self, remote: _Remote, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                     notification: bytes, ranges: Sequence[ByteRange]) -> TransferHandle:
+    def _ranged(self, op: str, remote: _Remote, local_block_ids: Sequence[int],
+                remote_block_ids: Sequence[int], notification: bytes, ranges: Sequence[ByteRange],
+                layers: Sequence[int] | None) -> TransferHandle:
+        """A READ or WRITE of byte ranges of each block: its own descriptor lists, unprepared."""
         assert self.layout is not None
+        chosen = range(len(self.layout.layer_names)) if layers is None else layers
+        local_bases = [self.layout.base_addresses[i] for i in chosen]
+        remote_bases = [remote.layout.base_addresses[i] for i in chosen]
         local_addrs, remote_addrs, lengths = range_copies(
-            self.layout.base_addresses, remote.layout.base_addresses, self.layout.block_bytes,
-            remote.layout.block_bytes, local_block_ids, remote_block_ids, ranges)
+            local_bases, remote_bases, self.layout.block_bytes, remote.layout.block_bytes, local_block_ids,
+            remote_block_ids, ranges)
         descs = []
         for addrs, layout in ((local_addrs, self.layout), (remote_addrs, remote.layout)):
             rows = np.empty((len(addrs), 3), dtype=np.uint64)  # [L * n * ranges, 3]
@@ -243,27 +250,27 @@ class NixlTransport(KVTransport):
         with self.lock:
             local_descs = self.agent.get_xfer_descs(*descs[0])
             remote_descs = self.agent.get_xfer_descs(*descs[1])
-            xfer = self.agent.initialize_xfer("READ", local_descs, remote_descs, remote.agent_name,
-                                              notification)
+            xfer = self.agent.initialize_xfer(op, local_descs, remote_descs, remote.agent_name, notification)
             state = self.agent.transfer(xfer)
         return _NixlRead(self, xfer, state)
 
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,
-                     layers: Sequence[int] | None = None) -> TransferHandle:
+                     layers: Sequence[int] | None = None,
+                     ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         return self._transfer("WRITE", remote_engine_id, local_block_ids, remote_block_ids,
-                              notification, layers)
+                              notification, layers, ranges)
 
     def _transfer(self, op: str, remote_engine_id: str, local_block_ids: Sequence[int],
                   remote_block_ids: Sequence[int], notification: bytes,
-                  layers: Sequence[int] | None) -> TransferHandle:
+                  layers: Sequence[int] | None, ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         remote = self._remotes.get(remote_engine_id)
         if remote is None:
             return FinishedTransfer(f"unknown remote engine {remote_engine_id!r} (never added or removed)")
         if self.layout is None:
             raise RuntimeError("register_kv_caches must come before a transfer")
         check_read(local_block_ids, remote_block_ids, self.layout.num_blocks, remote.layout.num_blocks)
-        check_ranges(None, self.layout.block_bytes, remote.layout.block_bytes)
+        checked = check_write_ranges(ranges, self.layout.block_bytes, remote.layout.block_bytes)
         num_layers = len(self.layout.layer_names)
         if layers is not None:
             check_layers(layers, num_layers)
@@ -272,6 +279,8 @@ class NixlTransport(KVTransport):
                 with self.lock:
                     self.agent.send_notif(remote.agent_name, notification)
             return FinishedTransfer()
+        if checked is not None:
+            return self._ranged(op, remote, local_block_ids, remote_block_ids, notification, checked, layers)
         local = descriptor_indices(local_block_ids, num_layers, self.layout.num_blocks, layers)
         remote_indices = descriptor_indices(remote_block_ids, num_layers, remote.layout.num_blocks, layers)
         with self.lock:

@@ -73,6 +73,7 @@ _MAGIC_READ_RANGES = b"RRNG"  # a READ of byte ranges of each block
 _NUM_RANGES = struct.Struct("!I")
 _MAX_RANGES = 1024  # a head slice is two ranges (K and V); this bounds P's buffer
 _MAGIC_WRITE = b"WRIT"  # a push: see tcp_push.py
+_MAGIC_WRITE_RANGES = b"WRNG"  # a push of byte ranges of each block
 _ACK = b"A"
 _ACCEPT_POLL_S = 0.2
 _MAX_NOTIFICATION_BYTES = 64 * 1024  # a notification is "{request_id}:{n}"; this bounds P's buffer
@@ -265,10 +266,10 @@ class _BlockServer:
         if len(header) < _READ.size:
             header += _recv_bytes(sock, _READ.size - len(header))
         magic, num_ids, notification_len = _READ.unpack(header)
-        if magic == _MAGIC_WRITE:
+        if magic in (_MAGIC_WRITE, _MAGIC_WRITE_RANGES):
             from kvrelay.kv_transfer.transport.tcp_push import serve_one_write
 
-            return serve_one_write(self, sock, num_ids, notification_len)
+            return serve_one_write(self, sock, num_ids, notification_len, ranged=magic == _MAGIC_WRITE_RANGES)
         if magic not in (_MAGIC_READ, _MAGIC_READ_RANGES):
             raise ConnectionError(f"bad request magic {magic!r}")
         num_ranges = 0
@@ -467,10 +468,12 @@ class TcpTransport(KVTransport):
 
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,
-                     layers: Sequence[int] | None = None) -> TransferHandle:
+                     layers: Sequence[int] | None = None,
+                     ranges: Sequence[ByteRange] | None = None) -> TransferHandle:
         from kvrelay.kv_transfer.transport.tcp_push import start_write
 
-        return start_write(self, remote_engine_id, local_block_ids, remote_block_ids, notification, layers)
+        return start_write(self, remote_engine_id, local_block_ids, remote_block_ids, notification, layers,
+                           ranges)
 
     def set_write_guard(self, guard: WriteGuard | None) -> None:
         self._server.write_guard = guard

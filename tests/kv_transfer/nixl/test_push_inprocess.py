@@ -56,7 +56,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
         write = transport.write_blocks
 
         def spied(remote: str, local: list[int], remote_ids: list[int], notification: bytes,
-                  layers: Any = None) -> Any:
+                  layers: Any = None, ranges: Any = None) -> Any:
             in_forward = forward_context._forward_context is not None
             landed = PushLanded.decode(notification)
             if landed is not None and spy.drop_landed:
@@ -70,7 +70,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
             if spy.corrupt_checksums and note is not None and note.checksums:
                 note.checksums[0] += 1
                 notification = note.encode()
-            return write(remote, local, remote_ids, notification, layers)
+            return write(remote, local, remote_ids, notification, layers, ranges=ranges)
 
         transport.write_blocks = spied  # type: ignore[method-assign]
         return transport
@@ -117,7 +117,7 @@ def ref_tokens(reference: Any, tokens: list[int], max_tokens: int) -> list[int]:
 
 def _registered(pair: PD, transfer_id: str) -> bool:
     sender = pair.p.runner.connector.worker.sender
-    return transfer_id in sender._waiting or transfer_id in sender._jobs
+    return transfer_id in sender._waiting or transfer_id in sender._jobs  # registered, or declined
 
 
 def push(pair: PD, port: int, rid: str, tokens: list[int], max_tokens: int = 4, p_first: bool = False) -> Any:

@@ -247,6 +247,30 @@ def test_sums_taken_as_writes_land_equal_block_digests_and_a_rewrite_replaces_it
     assert landed.digests() == security.block_digests(kv, block_ids)
 
 
+def test_ranged_folds_and_landed_sums_cover_exactly_the_byte_ranges() -> None:
+    """A push of one KV head's slice: P folds its ranges of each block, D sums its own ranges
+    (other offsets) as writes land; both equal block_digests of those ranges, and a byte outside
+    them changes nothing."""
+    import torch
+
+    p_kv = _random_layers("float32", 3, (10, 2, 2, 4, 8))  # [n, 2, 2 heads, bs, D]
+    d_kv = [torch.zeros(10, 2, 1, 4, 8) for _ in p_kv]  # one head
+    head = 4 * 8 * 4
+    p_ranges, d_ranges = [(head, head), (3 * head, head)], [(0, head), (head, head)]
+    p_ids, d_ids = [5, 1, 2], [0, 7, 3]
+    for p_layer, d_layer in zip(p_kv, d_kv, strict=True):
+        d_layer[d_ids] = p_layer[p_ids, :, 1:2]
+    fold = security.DigestFold(p_kv, len(p_ids), p_ranges)
+    fold.fold(1, p_ids, 2)
+    want = fold.digests(p_ids)
+    assert want == security.block_digests(p_kv, p_ids, p_ranges)
+    landed = security.LandedSums(d_kv, d_ids, d_ranges)
+    landed.record(d_ids, [0, 1, 2])
+    assert landed.digests() == want
+    p_kv[0][5, 0, 0, 0, 0] += 1.0  # head 0: not pushed, not counted
+    assert security.block_digests(p_kv, p_ids, p_ranges) == want
+
+
 # ---------------------------------------------------------------- end to end
 
 

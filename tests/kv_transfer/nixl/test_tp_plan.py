@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.kv_transfer.connectors.nixl_tp import plan_reads
+from kvrelay.kv_transfer.connectors.nixl_tp import plan_reads, plan_writes, releaser
 from kvrelay.kv_transfer.transport.base import ByteRange
 
 HB = 100  # one head's K (or V) bytes in a block
@@ -62,3 +62,30 @@ def test_a_size_that_cannot_hold_the_heads_is_refused_by_name() -> None:
         plan_reads(2, 3, 1, 0, HB)
     with pytest.raises(ValueError, match="P tp_size 0"):  # a malformed params' tp_size
         plan_reads(2, 0, 1, 0, HB)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("p_tp", [1, 2, 4])
+@pytest.mark.parametrize("d_tp", [1, 2, 4])
+def test_a_push_writes_to_exactly_the_d_ranks_whose_plan_reads_from_it(
+        num_kv_heads: int, p_tp: int, d_tp: int) -> None:
+    """P computes the plan itself: rank p writes to D rank d exactly what d's plan reads from p, and
+    a P rank with no writer is released by D rank p % d_tp."""
+    for p_rank in range(p_tp):
+        writes = plan_writes(num_kv_heads, p_tp, d_tp, p_rank, HB)
+        for d_rank in range(d_tp):
+            plan = plan_reads(num_kv_heads, p_tp, d_tp, d_rank, HB)
+            from_p = [r for r in plan.reads if r.p_rank == p_rank]
+            assert writes.get(d_rank) == (from_p[0] if from_p else None)
+            assert all(read.num_readers == len(writes) for read in from_p)
+            released = [r.p_rank for r in plan.releases]
+            assert (p_rank in released) == (not writes and releaser(p_rank, d_tp) == d_rank)
+
+
+def test_a_push_from_tp1_to_tp2_writes_each_d_rank_its_heads_slice() -> None:
+    writes = plan_writes(2, 1, 2, 0, HB)
+    assert {d: r.ranges for d, r in writes.items()} == {
+        0: (ByteRange(0, 0, HB), ByteRange(2 * HB, HB, HB)),
+        1: (ByteRange(HB, 0, HB), ByteRange(3 * HB, HB, HB))}
+    with pytest.raises(ValueError, match="outside tensor_parallel_size"):
+        plan_writes(2, 1, 2, 1, HB)

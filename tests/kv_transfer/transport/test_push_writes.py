@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from kvrelay.kv_transfer.transport import TransferState, create_transport
+from kvrelay.kv_transfer.transport.base import ByteRange
 from tests.kv_transfer.transport.helpers import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_BLOCKS,
+    NUM_KV_HEADS,
     NUM_LAYERS,
     collect_notifications,
     finish,
@@ -28,9 +33,11 @@ class RecordingGuard:
         self.allowed = allowed
         self.in_flight = 0
         self.admitted = 0
+        self.landed_ranges: list[list[tuple[int, int]] | None] = []
         self._lock = threading.Lock()
 
-    def admit(self, block_ids: Sequence[int], notification: bytes) -> str | None:
+    def admit(self, block_ids: Sequence[int], notification: bytes,
+              ranges: Sequence[tuple[int, int]] | None = None) -> str | None:
         with self._lock:
             outside = sorted(set(block_ids) - self.allowed)
             if outside:
@@ -39,21 +46,24 @@ class RecordingGuard:
             self.admitted += 1
             return None
 
-    def landed(self, block_ids: Sequence[int], layers: Sequence[int]) -> None:
-        pass
+    def landed(self, block_ids: Sequence[int], layers: Sequence[int],
+               ranges: Sequence[tuple[int, int]] | None = None) -> None:
+        self.landed_ranges.append(None if ranges is None else list(ranges))
 
-    def done(self, block_ids: Sequence[int], notification: bytes) -> None:
+    def done(self, block_ids: Sequence[int], notification: bytes,
+             ranges: Sequence[tuple[int, int]] | None = None) -> None:
         with self._lock:
             self.in_flight -= 1
 
 
-def make_push_pair(backend: str):
+def make_push_pair(backend: str, d_kv: dict[str, torch.Tensor] | None = None):
     """P knows D (as a push registration would tell it); D guards its blocks 0..5."""
     require_backend(backend)
     threads_before = set(threading.enumerate())
     p = create_transport(backend, "engine-p")
     d = create_transport(backend, "engine-d")
-    p_kv, d_kv = kv_caches(seed=1), kv_caches(seed=2)
+    p_kv = kv_caches(seed=1)
+    d_kv = kv_caches(seed=2) if d_kv is None else d_kv
     p.register_kv_caches(p_kv)
     d_layout = d.register_kv_caches(d_kv)
     guard = RecordingGuard(set(range(6)))
@@ -76,6 +86,40 @@ def tcp_push_pair():
     """Only the TCP receiver sees a write (NIXL's and Mooncake's are one-sided: the push lease
     guards those blocks, see nixl_push_receiver.py)."""
     yield from make_push_pair("tcp")
+
+
+@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+def head_push_pair(request):
+    """D's blocks hold one KV head (a TP shard of twice P's size): P writes one of its two."""
+    generator = torch.Generator().manual_seed(3)
+    d_kv = {name: torch.randn(NUM_BLOCKS, 2, 1, BLOCK_SIZE, HEAD_DIM, generator=generator)
+            for name in kv_caches(seed=0)}
+    yield from make_push_pair(request.param, d_kv)
+
+
+def test_a_write_by_byte_ranges_lands_one_kv_head_in_a_block_of_another_size(head_push_pair):
+    p, d, p_kv, d_kv, guard = head_push_pair
+    head_bytes = BLOCK_SIZE * HEAD_DIM * 4
+    before = {name: kv.clone() for name, kv in d_kv.items()}
+    # P's head 1, K and V, into D's whole blocks (local = P's offset, remote = D's)
+    ranges = [ByteRange(0, head_bytes, head_bytes), ByteRange(head_bytes, (NUM_KV_HEADS + 1) * head_bytes,
+                                                              head_bytes)]
+    handle = p.write_blocks("engine-d", [7, 2, 3], [0, 5, 4], b"push:slice", layers=[0, 2], ranges=ranges)
+    assert finish(handle) == TransferState.DONE
+    names = list(d_kv)
+    for i in (0, 2):
+        assert torch.equal(d_kv[names[i]][[0, 5, 4]], p_kv[names[i]][[7, 2, 3], :, 1:2])
+    assert torch.equal(d_kv[names[1]], before[names[1]])  # a layer not written is untouched
+    assert collect_notifications(d, 1) == [b"push:slice"]
+    if d.sees_writes:  # the guard heard which bytes of each block landed
+        assert guard.landed_ranges == [[(0, head_bytes), (head_bytes, head_bytes)]]
+    with pytest.raises(ValueError, match="whole-block read needs blocks of one size"):
+        p.write_blocks("engine-d", [0], [0], b"")
+    with pytest.raises(ValueError, match="runs past a block"):
+        p.write_blocks("engine-d", [0], [0], b"", ranges=[ByteRange(head_bytes, 0, 2 * head_bytes)])
+    with pytest.raises(ValueError, match="overlap"):  # where the write lands
+        overlapping = [ByteRange(0, 0, head_bytes), ByteRange(head_bytes // 2, head_bytes, head_bytes)]
+        p.write_blocks("engine-d", [0], [0], b"", ranges=overlapping)
 
 
 def test_layer_writes_land_in_the_paired_blocks_of_those_layers_only(push_pair):

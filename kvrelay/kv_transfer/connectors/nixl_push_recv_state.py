@@ -1,0 +1,131 @@
+"""D's bookkeeping of a push: its peers (P's ranks), a request's receives, and what settled.
+
+A request's receive is one `RankRecv` per P rank whose KV heads this D rank holds (nixl_tp.py:
+one between equal TP sizes, several when this rank's heads live on several of P's ranks), grouped
+under one `RequestRecvs` that settles once, when all of them did. `handshake_problem` says
+whether a P rank's handshake pairs with this rank. Nothing here talks to the network.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvrelay.kv_transfer.compat import describe_difference
+from kvrelay.kv_transfer.connectors import security
+from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
+from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
+from kvrelay.kv_transfer.connectors.nixl_push_meta import PushRecv, PushRef
+from kvrelay.kv_transfer.connectors.nixl_tp import RankRead, plan_reads
+from kvrelay.kv_transfer.connectors.side_channel import PeerThread
+from kvrelay.model.sharding import kv_heads_of_rank
+
+
+@dataclass
+class PushPeer:
+    """One of a prefill instance's ranks (its side channel listens on kv_port + p_rank)."""
+
+    host: str
+    port: int
+    p_rank: int  # 0: the base port, whose handshake tells D the prefill instance's tp_size
+    thread: PeerThread
+    reply: HandshakeReply | None = None
+    refs: tuple[PushRef, ...] = ()  # what the heartbeats renew (read by the peer thread)
+    last_beat_sent: float = 0.0  # monotonic, written by the peer thread
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+@dataclass
+class RankRecv:
+    """A request's receive from one P rank: its registration there, and P's writes."""
+
+    spec: PushRecv
+    source: RankRead  # what this rank takes from that P rank (ranges: remote = P's, local = ours)
+    port: int  # that P rank's side channel
+    registration_id: str
+    deadline: float  # monotonic: fail unless P made progress by then
+    state: str = "handshake"  # -> "register" -> "waiting" (-> "cancelling": given up)
+    contacted: bool = False  # a registration went out: P may write until told otherwise
+    last_contact: float = 0.0  # when P last (possibly) renewed its lease, by our clock
+    lease_s: float = 0.0
+    progress: int = -1
+    written_seen: bool = False
+    safe: bool = False  # P confirmed no write is or will be in flight
+    safe_after: float = float("inf")
+    aborted: bool = False
+    failure: str = ""
+    count_failure: bool = True  # False: given up because a sibling failed (that one counts)
+    landed: security.LandedSums | None = None  # checksum sums of the writes as they land
+    num_landed: int = 0  # PushLanded notifications recorded (one-sided transports)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.spec.req_id, self.source.p_rank
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.spec.remote_host, self.port
+
+    @property
+    def local_ranges(self) -> list[tuple[int, int]] | None:
+        """The (offset, length) byte ranges of our blocks it fills (None: whole blocks)."""
+        ranges = self.source.ranges
+        return None if ranges is None else [(r.local_offset, r.length) for r in ranges]
+
+
+@dataclass
+class RequestRecvs:
+    """A request's receives (one per P rank): it settles once, when all of them did."""
+
+    spec: PushRecv
+    pending: int
+    started: float = field(default_factory=time.monotonic)
+    failed: bool = False
+    count_failure: bool = False  # a failure to report as one (not an abort)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Planning:
+    """A request waiting for the base port's handshake, which says P's tp_size (and so the plan)."""
+
+    spec: PushRecv
+    base: tuple[str, int]
+    deadline: float
+
+
+def handshake_problem(me: LocalIdentity, peer: PushPeer, reply: HandshakeReply, base_tp: int) -> str | None:
+    """Why this D rank cannot take pushed KV from the P rank that answered the handshake, or
+    None. `base_tp`: the tp_size P's base port (rank 0) stated; every rank must state the same."""
+    where = f"the prefill instance at {peer.host}:{peer.port} (engine {reply.engine_id})"
+    mode = getattr(reply, "transfer_mode", "pull")
+    if mode != "push":
+        return (f"{where} runs transfer_mode {mode!r} (NixlConnector) and this decode instance "
+                "'push' (NixlPushConnector): run both with the same kv_connector")
+    # NOTE: the digest also covers this rank's share of the heads, which differs between TP
+    # sizes; the fingerprint names the model's, so it decides between sizes that differ.
+    difference = describe_difference(me.fingerprint, reply.fingerprint)
+    same_shards = reply.tp_size == me.tp_size
+    if difference is None and same_shards and reply.fingerprint_digest != me.fingerprint_digest:
+        difference = f"digest differs: ours {me.fingerprint_digest}, theirs {reply.fingerprint_digest}"
+    if difference is not None:
+        return f"{where} runs another model or KV format ({difference})"
+    try:
+        plan_reads(me.num_kv_heads, reply.tp_size, me.tp_size, me.tp_rank, me.head_bytes)
+        p_heads = kv_heads_of_rank(me.num_kv_heads, reply.tp_size, peer.p_rank)
+    except ValueError as e:
+        return (f"{where} runs tensor_parallel_size {reply.tp_size} and this decode instance "
+                f"{me.tp_size}, which cannot pair: {e}")
+    mismatches = [(name, theirs, ours) for name, theirs, ours in (
+        ("backend", reply.backend, me.backend), ("block_size", reply.block_size, me.block_size),
+        ("num_layers", len(reply.layer_names), len(me.layout.layer_names)),
+        ("block_bytes", reply.block_bytes, 2 * len(p_heads) * me.head_bytes),
+        ("tp_size", reply.tp_size, base_tp), ("tp_rank", reply.tp_rank, peer.p_rank))
+        if theirs != ours]
+    if mismatches:
+        text = ", ".join(f"{name}: theirs {theirs!r}, ours {ours!r}" for name, theirs, ours in mismatches)
+        return f"{where} has an incompatible KV layout ({text}); configure both instances alike"
+    return None
