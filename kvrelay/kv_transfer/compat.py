@@ -43,6 +43,17 @@ def first_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tupl
     return None
 
 
+def kv_incompatibility(ours: Mapping[str, Any], our_digest: str, our_tp: int,
+                       theirs: Mapping[str, Any], their_digest: str, their_tp: int) -> str | None:
+    """Why a peer's KV cannot be used here (its first differing field), or None. The digest also
+    covers a rank's share of the KV heads, which differs between TP sizes, so it decides only
+    between equal sizes; the fingerprint names the model's, and decides between any two."""
+    difference = describe_difference(ours, theirs)
+    if difference is None and our_tp == their_tp and our_digest != their_digest:
+        difference = f"digest differs: ours {our_digest}, theirs {their_digest}"
+    return difference
+
+
 def describe_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str | None:
     """"kv_cache_dtype differs: ours 'bfloat16', theirs 'float32'", or None when compatible."""
     found = first_difference(ours, theirs)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvrelay.kv_transfer.compat import describe_difference
+from kvrelay.kv_transfer.compat import kv_incompatibility
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import (
     LEASE_ALIVE,
@@ -263,12 +263,8 @@ class Puller:
         if reply.engine_id != peer.engine_id:
             return (f"{where} is engine {reply.engine_id}, the params name {peer.engine_id} "
                     "(did the prefill instance restart?)")
-        # NOTE: the digest also covers this rank's share of the heads, which differs between TP
-        # sizes; the fingerprint names the model's, so it decides between sizes that differ.
-        difference = describe_difference(me.fingerprint, reply.fingerprint)
-        same_shards = reply.tp_size == me.tp_size
-        if difference is None and same_shards and reply.fingerprint_digest != me.fingerprint_digest:
-            difference = f"digest differs: ours {me.fingerprint_digest}, theirs {reply.fingerprint_digest}"
+        difference = kv_incompatibility(me.fingerprint, me.fingerprint_digest, me.tp_size,
+                                        reply.fingerprint, reply.fingerprint_digest, reply.tp_size)
         if difference is not None:
             return (f"{where} holds KV we cannot use ({difference}); pair the decode instance with a "
                     "prefill instance of the same model and --kv-cache-dtype")

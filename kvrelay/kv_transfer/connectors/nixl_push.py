@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from kvrelay.kv_transfer.compat import describe_difference
+from kvrelay.kv_transfer.compat import kv_incompatibility
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl import NixlConfig
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
@@ -218,15 +218,11 @@ class PushWorker:
         """Why D's rank holds KV we cannot write, or None. Its TP size, rank, byte ranges and block
         size are the sender's to check, against its own plan (nixl_push_state.reader_plan)."""
         assert self.layout is not None
-        # NOTE: the digest also covers a rank's share of the heads, which differs between TP
-        # sizes; the fingerprint names the model's, so it decides between sizes that differ.
-        if request.tp_size == self.kv_spec.tp_size:
-            if request.fingerprint_digest != self.kv_spec.fingerprint_digest():
-                return "the decode instance runs another model or KV format"
-        else:
-            difference = describe_difference(dict(self.kv_spec.fingerprint), request.fingerprint)
-            if difference is not None:
-                return f"the decode instance runs another model or KV format ({difference})"
+        difference = kv_incompatibility(dict(self.kv_spec.fingerprint), self.kv_spec.fingerprint_digest(),
+                                        self.kv_spec.tp_size, request.fingerprint, request.fingerprint_digest,
+                                        request.tp_size)
+        if difference is not None:
+            return f"the decode instance runs another model or KV format ({difference})"
         theirs = (request.backend, request.block_size, len(request.layer_names))
         ours = (self.nixl_config.backend, self.kv_spec.block_size, len(self.layout.layer_names))
         if theirs != ours:

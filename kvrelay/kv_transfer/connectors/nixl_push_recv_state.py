@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvrelay.kv_transfer.compat import describe_difference
+from kvrelay.kv_transfer.compat import kv_incompatibility
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
 from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
@@ -105,12 +105,8 @@ def handshake_problem(me: LocalIdentity, peer: PushPeer, reply: HandshakeReply, 
     if mode != "push":
         return (f"{where} runs transfer_mode {mode!r} (NixlConnector) and this decode instance "
                 "'push' (NixlPushConnector): run both with the same kv_connector")
-    # NOTE: the digest also covers this rank's share of the heads, which differs between TP
-    # sizes; the fingerprint names the model's, so it decides between sizes that differ.
-    difference = describe_difference(me.fingerprint, reply.fingerprint)
-    same_shards = reply.tp_size == me.tp_size
-    if difference is None and same_shards and reply.fingerprint_digest != me.fingerprint_digest:
-        difference = f"digest differs: ours {me.fingerprint_digest}, theirs {reply.fingerprint_digest}"
+    difference = kv_incompatibility(me.fingerprint, me.fingerprint_digest, me.tp_size,
+                                    reply.fingerprint, reply.fingerprint_digest, reply.tp_size)
     if difference is not None:
         return f"{where} runs another model or KV format ({difference})"
     try:
