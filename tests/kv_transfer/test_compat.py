@@ -7,6 +7,7 @@ from kvrelay.kv_transfer.compat import (
     compat_fingerprint,
     describe_difference,
     first_difference,
+    kv_incompatibility,
 )
 
 
@@ -31,3 +32,14 @@ def test_a_field_only_one_side_has_differs() -> None:
     theirs = {k: v for k, v in fingerprint().items() if k != "tp_mapping"}
     assert first_difference(fingerprint(), theirs) == ("tp_mapping", fingerprint()["tp_mapping"], None)
     assert first_difference({**fingerprint(), "extra": 1}, fingerprint()) == ("extra", 1, None)
+
+
+def test_the_digest_decides_only_between_equal_tp_sizes() -> None:
+    """A rank's digest covers its share of the heads, so it differs between TP sizes by design;
+    the fingerprint (the model's) decides between any two."""
+    same = fingerprint()
+    assert kv_incompatibility(same, "d1", 2, same, "d1", 2) is None
+    assert kv_incompatibility(same, "d1", 2, same, "d2", 2) == "digest differs: ours d1, theirs d2"
+    assert kv_incompatibility(same, "d1", 1, same, "d2", 2) is None
+    assert kv_incompatibility(fingerprint(kv_cache_dtype="bfloat16"), "d1", 1, same, "d2", 2) == \
+        "kv_cache_dtype differs: ours 'bfloat16', theirs 'float32'"
