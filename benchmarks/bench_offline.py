@@ -414,29 +414,6 @@ def add_vllm_column(python: Path, spec: ModelSpec, threads: int, single: Row | N
     return notes
 
 
-def floor_notes(spec: ModelSpec, single: Row | None, single_tokens: int, mixed: Row | None,
-                num_requests: int, threads: int) -> list[str]:
-    """How fast the single-stream and mixed rows could be on this host at the very best
-    (benchmarks/floors.py), and what ratio against vLLM that would allow."""
-    notes = []
-    if single is not None:
-        f = floors.bandwidth_floor(spec, single_tokens)
-        best = single_tokens / f.seconds
-        vs = f", {best / single.vllm:.2f}x vLLM" if single.vllm else ""
-        notes.append(f"single-stream floor: {single_tokens} steps x {f.work / single_tokens / 1e6:.0f} MB of "
-                     f"weights at {f.rate / 1e9:.1f} GB/s ({f.how}): at most {best:.1f} tok/s{vs}")
-    if mixed is not None:
-        reqs = [(len(p), o) for p, o in mixed_requests(num_requests, spec.vocab_size)]
-        f = floors.compute_floor(spec, reqs, threads)
-        if f is None:
-            return [*notes, "mixed-workload floor: not measured (no C compiler)"]
-        useful = sum(p + o for p, o in reqs)
-        vs = f", {useful / f.seconds / mixed.vllm:.2f}x vLLM" if mixed.vllm else ""
-        notes.append(f"mixed-workload floor: {f.work / 1e12:.2f} TFLOP at {f.rate / 1e9:.0f} GFLOP/s "
-                     f"({f.how}) = {f.seconds:.1f} s: at most {useful / f.seconds:.0f} tok/s{vs}")
-    return notes
-
-
 # ----------------------------------------------------------------------------- main
 def print_table(rows: list[Row], threads: int, vllm_notes: list[str]) -> None:
     with_vllm = any(r.vllm is not None for r in rows)
@@ -492,7 +469,11 @@ def main() -> None:
     if vllm_python is not None and (single is not None or mixed is not None):
         vllm_notes = add_vllm_column(vllm_python, loaded.spec, args.threads, single, single_ids, mixed,
                                      num_requests)
-    vllm_notes += floor_notes(loaded.spec, single, len(single_ids), mixed, num_requests, args.threads)
+    vllm_notes += floors.notes(
+        loaded.spec, args.threads, single_tokens=len(single_ids) if single else 0,
+        single_vllm=single.vllm if single else None,
+        mixed=[(len(p), o) for p, o in mixed_requests(num_requests, loaded.spec.vocab_size)] if mixed else [],
+        mixed_vllm=mixed.vllm if mixed else None)
     if want("step"):
         rows.extend(bench_step_efficiency(loaded, batch=64, decode_steps=8 if args.quick else 16))
     if want("prefill"):

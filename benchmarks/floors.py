@@ -100,3 +100,27 @@ def bandwidth_floor(spec: ModelSpec, tokens: int, reps: int = 5) -> Floor:
     rate = weight_bytes / _best_seconds(lambda: buffer.sum(), reps)
     return Floor(tokens * weight_bytes / rate, tokens * weight_bytes, rate,
                  "best streaming read (a sum over a buffer the size of the fp32 weights)")
+
+
+def notes(spec: ModelSpec, threads: int, *, single_tokens: int, single_vllm: float | None,
+          mixed: Sequence[tuple[int, int]], mixed_vllm: float | None) -> list[str]:
+    """bench_offline's lines under its table: how fast its single-stream row (`single_tokens`
+    decode steps; 0: not measured) and mixed row (`mixed`: (prompt, output) tokens per request;
+    empty: not measured) could be on this host at the very best, and the ratio against vLLM's
+    measured tok/s that would allow."""
+    lines = []
+    if single_tokens:
+        f = bandwidth_floor(spec, single_tokens)
+        best = single_tokens / f.seconds
+        vs = f", {best / single_vllm:.2f}x vLLM" if single_vllm else ""
+        lines.append(f"single-stream floor: {single_tokens} steps x {f.work / single_tokens / 1e6:.0f} MB of "
+                     f"weights at {f.rate / 1e9:.1f} GB/s ({f.how}): at most {best:.1f} tok/s{vs}")
+    if mixed:
+        floor = compute_floor(spec, mixed, threads)
+        if floor is None:
+            return [*lines, "mixed-workload floor: not measured (no C compiler)"]
+        best = sum(p + o for p, o in mixed) / floor.seconds
+        vs = f", {best / mixed_vllm:.2f}x vLLM" if mixed_vllm else ""
+        lines.append(f"mixed-workload floor: {floor.work / 1e12:.2f} TFLOP at {floor.rate / 1e9:.0f} GFLOP/s "
+                     f"({floor.how}) = {floor.seconds:.1f} s: at most {best:.0f} tok/s{vs}")
+    return lines

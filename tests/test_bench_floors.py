@@ -34,3 +34,12 @@ def test_fma_peak_builds_and_gives_a_plausible_rate_and_floor() -> None:
     assert one > 1e9  # any x86-64 core does more than a GFLOP/s of vector FMAs
     floor = floors.compute_floor(tiny_loaded_model().spec, [(16, 4)], threads=1)
     assert floor is not None and floor.seconds > 0 and floor.work > 0
+
+
+def test_notes_name_each_floor_and_the_ratio_it_allows_against_vllm() -> None:
+    spec = tiny_loaded_model().spec
+    lines = floors.notes(spec, 1, single_tokens=4, single_vllm=1.0, mixed=[(16, 4)], mixed_vllm=1.0)
+    assert len(lines) == 2
+    assert lines[0].startswith("single-stream floor: 4 steps") and lines[0].endswith("x vLLM")
+    assert lines[1].startswith("mixed-workload floor:") and lines[1].endswith("x vLLM")
+    assert floors.notes(spec, 1, single_tokens=0, single_vllm=None, mixed=[], mixed_vllm=None) == []

@@ -94,6 +94,20 @@ def _delta(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
     return float(after[key] - before[key])
 
 
+def assert_pushed_like_one_instance(pd: PD, port: int, reference: LLMEngine,
+                                    prompts: dict[str, list[int]]) -> None:
+    """Greedy tokens equal one instance's; D computed only each prompt's last token (every rank's
+    heads arrived and verified); nothing failed, every P rank freed once its readers were done,
+    and no block is left in use anywhere."""
+    d_before, p_before = pd.d.get_stats(), pd.p.get_stats()
+    assert push_all(pd, port, prompts) == reference_tokens(reference, prompts, MAX_TOKENS)
+    settled_without_leaks(pd)
+    d_after, p_after = pd.d.get_stats(), pd.p.get_stats()
+    assert _delta(d_before, d_after, "prompt_tokens_computed") == len(prompts)
+    assert _delta(d_before, d_after, "kv_load_failures") == 0
+    assert _delta(p_before, p_after, "kv_lease_expired") == 0
+
+
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 2), (1, 2), (2, 1)])
 def test_every_tp_pair_pushes_like_one_instance(cluster, reference, p_tp: int, d_tp: int) -> None:
     """tp 2 -> 2 rank to rank in whole blocks; tp 1 -> 2: P's rank writes each D rank its head's
@@ -101,14 +115,7 @@ def test_every_tp_pair_pushes_like_one_instance(cluster, reference, p_tp: int, d
     pd, port = cluster.pair(p_tp, d_tp)
     prompts = {f"ok{p_tp}{d_tp}-{i}": prompt(3 * BLOCK_SIZE + 2 + 5 * i, salt=80 + 7 * p_tp + d_tp + i)
                for i in range(2)}
-    d_before, p_before = pd.d.get_stats(), pd.p.get_stats()
-    assert push_all(pd, port, prompts) == reference_tokens(reference, prompts, MAX_TOKENS)
-    settled_without_leaks(pd)
-    d_after, p_after = pd.d.get_stats(), pd.p.get_stats()
-    # D computed only each prompt's last token: every rank's heads arrived and verified
-    assert _delta(d_before, d_after, "prompt_tokens_computed") == len(prompts)
-    assert _delta(d_before, d_after, "kv_load_failures") == 0
-    assert _delta(p_before, p_after, "kv_lease_expired") == 0  # every P rank freed once its readers were done
+    assert_pushed_like_one_instance(pd, port, reference, prompts)
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)])
@@ -182,13 +189,7 @@ def test_a_replicated_kv_head_is_pushed_once_to_each_reader_and_every_p_rank_fre
     pd, port = cluster.pair(p_tp, d_tp)
     prompts = {f"rep{p_tp}{d_tp}-{i}": prompt(9 + 6 * i, salt=120 + 20 * p_tp + 4 * d_tp + i)
                for i in range(2)}
-    d_before, p_before = pd.d.get_stats(), pd.p.get_stats()
-    assert push_all(pd, port, prompts) == reference_tokens(reference, prompts, MAX_TOKENS)
-    settled_without_leaks(pd)
-    d_after, p_after = pd.d.get_stats(), pd.p.get_stats()
-    assert _delta(d_before, d_after, "prompt_tokens_computed") == len(prompts)
-    assert _delta(d_before, d_after, "kv_load_failures") == 0
-    assert _delta(p_before, p_after, "kv_lease_expired") == 0
+    assert_pushed_like_one_instance(pd, port, reference, prompts)
 
 
 def test_only_a_size_that_cannot_hold_the_kv_heads_is_refused_naming_both_sizes() -> None:
