@@ -182,9 +182,16 @@ def raw_nixl_column(case: Case) -> Session:
 
 
 def raw_socket_column(case: Case) -> Session:
-    """The same byte count over a loopback TCP connection, one sendall and recv_into loop."""
-    src = torch.empty(case.num_bytes, dtype=torch.uint8)
-    dst = torch.empty(case.num_bytes, dtype=torch.uint8)
+    """The case's bytes over a loopback TCP connection, one sendall and recv_into loop.
+
+    The source is a copy of P's blocks and the destination is zero-filled, so both are resident
+    memory like the KV pools. (Until 2026-12-03 both were `torch.empty`: an untouched source reads
+    as the kernel's one shared zero page, always in cache, which made the baseline 5-20% faster
+    than any real send of the same size.)"""
+    src = torch.cat([layer[case.remote_block_ids].reshape(-1).view(torch.uint8)
+                     for layer in case.p_kv.values()])
+    dst = torch.zeros(case.num_bytes, dtype=torch.uint8)
+    assert src.numel() == case.num_bytes
     send_view, recv_view = memoryview(src.numpy()), memoryview(dst.numpy())  # type: ignore[arg-type]
     listener = socket.create_server(("127.0.0.1", 0))
     sender = socket.create_connection(listener.getsockname()[:2])
@@ -203,6 +210,8 @@ def raw_socket_column(case: Case) -> Session:
     def close() -> None:
         for sock in (sender, receiver, listener):
             sock.close()
+        if not torch.equal(src, dst):
+            raise RuntimeError("raw socket: the bytes received differ from the bytes sent")
     return Session(once, close, writes_d_kv=False)
 
 
