@@ -54,6 +54,7 @@ from mooncake_bench import (  # benchmarks/mooncake_bench.py
 )
 
 from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
+from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.base import KVCacheSpec
 from kvrelay.kv_transfer.config import KVTransferConfig
 from kvrelay.kv_transfer.connectors import security
@@ -239,9 +240,9 @@ class ConnectorPair:
     the descriptors prepared at the handshake, verifies the digests, and reports the request in
     finished_recving; P's worker takes the notification and ends the lease. Both workers are
     polled from this thread (get_finished), as each engine's step loop would: an engine whose
-    only work is transfers in flight sleeps `IDLE_STEP_SLEEP_S` after each empty step, so this
-    loop does too (a loop that spins would take a core from the transfer's own threads, which
-    no engine does).
+    only work is transfers in flight sleeps up to `IDLE_STEP_SLEEP_S` after each empty step,
+    woken early when a connector thread has news (`kv_transfer.wakeup`), so this loop does too
+    (a loop that spins would take a core from the transfer's own threads, which no engine does).
     """
 
     def __init__(self, backend: str, verify_checksum: bool, case: Case, secret_file: str) -> None:
@@ -285,7 +286,7 @@ class ConnectorPair:
                 break
             if received.failed_recving or received.invalid_block_ids:
                 raise RuntimeError(f"the connector's pull failed ({received.stats}); see the log above")
-            time.sleep(IDLE_STEP_SLEEP_S)
+            wakeup.wait(IDLE_STEP_SLEEP_S)
         elapsed = time.perf_counter() - start
         if received.invalid_block_ids:
             raise RuntimeError(f"blocks {sorted(received.invalid_block_ids)} failed their checksum")

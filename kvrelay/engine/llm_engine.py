@@ -15,6 +15,7 @@ from kvrelay.engine.kv_setup import build_kv_setup
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.executor import create_executor
+from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.protocols import SchedulerConnector
 from kvrelay.model.loader import LoadedModel, load_model
 from kvrelay.model.sharding import check_tensor_parallel, shard_layout, shard_spec
@@ -172,8 +173,9 @@ class LLMEngine:
         outputs = self.parallel.process(outputs)
         if sched_out.is_empty and not outputs:
             # NOTE: nothing ran: only transfers are in flight. Yield the GIL (and the core) to
-            # the connector's threads instead of spinning, or a loop of empty steps starves them.
-            time.sleep(IDLE_STEP_SLEEP_S)
+            # the connector's threads instead of spinning, or a loop of empty steps starves them;
+            # a connector thread with news for this loop wakes it early (kv_transfer.wakeup).
+            wakeup.wait(IDLE_STEP_SLEEP_S)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -58,6 +58,7 @@ from kvrelay.kv_transfer.connectors.side_channel import (
     decode,
 )
 from kvrelay.kv_transfer.transport.base import RegionLayout, TransferState
+from kvrelay.kv_transfer.wakeup import WakingQueue
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +83,7 @@ class Puller:
         self._peers: dict[str, Peer] = {}
         self._pulls: dict[tuple[str, int], RankPull] = {}
         self._requests: dict[str, RequestPulls] = {}
-        self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._events: queue.Queue[tuple[Any, ...]] = WakingQueue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []  # threads of dropped peers, joined in close()
 

@@ -77,6 +77,7 @@ from kvrelay.kv_transfer.connectors.nixl_tp import plan_reads
 from kvrelay.kv_transfer.connectors.side_channel import (
     PeerThread,
 )
+from kvrelay.kv_transfer.wakeup import WakingQueue
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +106,7 @@ class PushReceiver:
         self._recvs: dict[tuple[str, int], RankRecv] = {}  # by (request id, P rank)
         self._requests: dict[str, RequestRecvs] = {}
         self._by_registration: dict[str, RankRecv] = {}
-        self._events: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._events: queue.Queue[tuple[Any, ...]] = WakingQueue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []
         self._messages = PushMessages(identity, instance_id, config, transport, self._events)

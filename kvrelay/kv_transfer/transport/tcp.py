@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.transport.base import (
     ByteRange,
     FinishedTransfer,
@@ -341,6 +342,10 @@ class _BlockServer:
             thread.join()
 
 
+def _wake_engine(_future: Future[None]) -> None:
+    wakeup.notify()
+
+
 class _TcpRead(TransferHandle):
     def __init__(self, future: Future[None]) -> None:
         self._future = future
@@ -458,6 +463,7 @@ class TcpTransport(KVTransport):
         try:
             future = self._pool.submit(self._read, remote, list(local_block_ids), list(remote_block_ids),
                                        request, sent_on, checked)
+            future.add_done_callback(_wake_engine)  # after the future is done, so a poll sees it
         except BaseException:
             with self._lock:
                 self._in_flight -= 1

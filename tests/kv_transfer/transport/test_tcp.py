@@ -487,3 +487,26 @@ def test_a_reader_that_hangs_up_mid_transfer_gets_no_notification_and_p_serves_o
             d.close()
     finally:
         p.close()
+
+
+
+def test_a_finished_read_wakes_the_engine_once_the_handle_polls_done(monkeypatch):
+    from kvrelay.kv_transfer import wakeup
+
+    futures: list = []
+    done_at_notify: list[bool] = []
+    monkeypatch.setattr(wakeup, "notify", lambda: done_at_notify.append(futures[-1].done()))
+    p, d, _, _ = make_pair("tcp")
+    submit = d._pool.submit
+
+    def recording_submit(*args, **kwargs):
+        futures.append(submit(*args, **kwargs))
+        return futures[-1]
+    monkeypatch.setattr(d._pool, "submit", recording_submit)
+    try:
+        assert finish(d.read_blocks("engine-p", [0, 1], [2, 3], b"req:1")) == TransferState.DONE
+        wait_for(lambda: done_at_notify)
+        assert done_at_notify == [True]  # a poll right after the wake sees the read ended
+    finally:
+        d.close()
+        p.close()
