@@ -11,10 +11,15 @@ of each block, between instances of different TP sizes) builds its own descripto
 descriptor per (layer, block, range), and posts them unprepared.
 
 NOTE: the agent's own progress thread is off (it busy-polls; on a small machine it costs more
-than the transfers). Without RDMA, UCX emulates a READ with messages the owner must answer, so
-the owner's worker has to be progressed: a light thread here calls get_new_notifs every
-`progress_interval_s`, which also collects notifications. The agent is not thread-safe in this
-mode, so every agent call holds one lock.
+than the transfers). Without RDMA, UCX emulates a READ or WRITE with messages both sides must
+serve, so both workers have to be progressed: a light thread here calls get_new_notifs every
+`progress_interval_s`, which also collects notifications, and checks every transfer still in
+flight. The second matters as much: NIXL sends a transfer's notification from the call that
+finds it complete, so a transfer that did not complete inside `transfer()` stays unannounced
+to the peer until someone checks it. Before the thread checked them, a layer-wise push whose
+engine was busy computing left some layers' writes unannounced for seconds, and the last one
+for up to 170 ms after P's last layer (the whole critical path the push exists to hide). The
+agent is not thread-safe in this mode, so every agent call holds one lock.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.transport.base import (
     ByteRange,
     FinishedTransfer,
@@ -101,6 +107,9 @@ _STATES = {"DONE": TransferState.DONE, "PROC": TransferState.PENDING}  # anythin
 
 
 class _NixlRead(TransferHandle):
+    """A posted READ or WRITE. While it is in flight the transport's progress thread checks it
+    too (`NixlTransport._advance`), so its notification goes out as soon as it completes."""
+
     def __init__(self, transport: NixlTransport, xfer: Any, state: str) -> None:
         self._transport = transport
         self._xfer = xfer
@@ -108,16 +117,23 @@ class _NixlRead(TransferHandle):
         self._released = False
 
     def poll(self) -> TransferState:
-        if self._state == "PROC" and not self._released:
+        if self._state == "PROC":
             with self._transport.lock:
-                self._state = self._transport.agent.check_xfer_state(self._xfer)
+                self._check()
         return _STATES.get(self._state, TransferState.ERROR)
+
+    def _check(self) -> bool:
+        """Under the transport's lock: ask the agent again; True once the transfer has ended."""
+        if self._state == "PROC" and not self._released:
+            self._state = self._transport.agent.check_xfer_state(self._xfer)
+        return self._state != "PROC" or self._released
 
     def release(self) -> None:
         if self._released:
             return
-        self._released = True
         with self._transport.lock:
+            self._released = True
+            self._transport._in_flight.discard(self)
             try:
                 self._xfer.release()
             except Exception as e:  # NIXL refuses to release a transfer it cannot cancel
@@ -158,6 +174,7 @@ class NixlTransport(KVTransport):
         self._local_descs: Any = None
         self._remotes: dict[str, _Remote] = {}
         self._notifications: deque[bytes] = deque()
+        self._in_flight: set[_NixlRead] = set()  # posted, not yet seen complete (under self.lock)
         self._closed = False
         self._stopping = threading.Event()
         self._progress_interval_s = progress_interval_s
@@ -229,7 +246,7 @@ class NixlTransport(KVTransport):
             xfer = self.agent.make_prepped_xfer("READ", self._local_descs, local, remote.descs,
                                                 remote_indices, notification)
             state = self.agent.transfer(xfer)
-        return _NixlRead(self, xfer, state)
+        return self._posted(xfer, state)
 
     def _ranged(self, op: str, remote: _Remote, local_block_ids: Sequence[int],
                 remote_block_ids: Sequence[int], notification: bytes, ranges: Sequence[ByteRange],
@@ -252,7 +269,7 @@ class NixlTransport(KVTransport):
             remote_descs = self.agent.get_xfer_descs(*descs[1])
             xfer = self.agent.initialize_xfer(op, local_descs, remote_descs, remote.agent_name, notification)
             state = self.agent.transfer(xfer)
-        return _NixlRead(self, xfer, state)
+        return self._posted(xfer, state)
 
     def write_blocks(self, remote_engine_id: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes,
@@ -287,11 +304,19 @@ class NixlTransport(KVTransport):
             xfer = self.agent.make_prepped_xfer(op, self._local_descs, local, remote.descs,
                                                 remote_indices, notification)
             state = self.agent.transfer(xfer)
-        return _NixlRead(self, xfer, state)
+        return self._posted(xfer, state)
+
+    def _posted(self, xfer: Any, state: str) -> _NixlRead:
+        handle = _NixlRead(self, xfer, state)
+        if state == "PROC":
+            with self.lock:
+                self._in_flight.add(handle)
+        return handle
 
     def get_notifications(self) -> list[bytes]:
         if self._progress_thread is None:
             self._collect_notifications()
+            self._advance()
         queue = self._notifications
         return [queue.popleft() for _ in range(len(queue))]
 
@@ -301,10 +326,19 @@ class NixlTransport(KVTransport):
         for messages in by_agent.values():
             self._notifications.extend(bytes(m) for m in messages)
 
+    def _advance(self) -> None:
+        """Check every transfer in flight: the check is what sends a completed one's notification."""
+        with self.lock:
+            ended = [handle for handle in self._in_flight if handle._check()]
+            self._in_flight.difference_update(ended)
+        if ended:
+            wakeup.notify()  # NOTE: an engine waiting on one of them polls it now, not at its next tick
+
     def _progress_loop(self) -> None:
         while not self._stopping.wait(self._progress_interval_s):
             try:
                 self._collect_notifications()
+                self._advance()
             except Exception:
                 logger.exception("NIXL transport: progress failed")
 

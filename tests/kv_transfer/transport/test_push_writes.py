@@ -56,13 +56,14 @@ class RecordingGuard:
             self.in_flight -= 1
 
 
-def make_push_pair(backend: str, d_kv: dict[str, torch.Tensor] | None = None):
+def make_push_pair(backend: str, d_kv: dict[str, torch.Tensor] | None = None,
+                   p_kv: dict[str, torch.Tensor] | None = None):
     """P knows D (as a push registration would tell it); D guards its blocks 0..5."""
     require_backend(backend)
     threads_before = set(threading.enumerate())
     p = create_transport(backend, "engine-p")
     d = create_transport(backend, "engine-d")
-    p_kv = kv_caches(seed=1)
+    p_kv = kv_caches(seed=1) if p_kv is None else p_kv
     d_kv = kv_caches(seed=2) if d_kv is None else d_kv
     p.register_kv_caches(p_kv)
     d_layout = d.register_kv_caches(d_kv)
@@ -95,6 +96,29 @@ def head_push_pair(request):
     d_kv = {name: torch.randn(NUM_BLOCKS, 2, 1, BLOCK_SIZE, HEAD_DIM, generator=generator)
             for name in kv_caches(seed=0)}
     yield from make_push_pair(request.param, d_kv)
+
+
+@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+def big_push_pair(request):
+    """Blocks of 2 MB (6 per layer, 36 MB in all): a write too large to end inside the call that
+    posts it."""
+    shape = (6, 2, NUM_KV_HEADS, 4096, HEAD_DIM * 4)
+    names = list(kv_caches(seed=0))
+    kvs = [{name: torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for name in names}
+           for seed in (4, 5)]
+    yield from make_push_pair(request.param, d_kv=kvs[1], p_kv=kvs[0])
+
+
+def test_a_write_is_announced_to_the_receiver_without_the_writer_polling_it(big_push_pair):
+    """The writer's engine may be busy computing the next layers: its transport, not the engine's
+    polls, must see each write through to its notification (NIXL sends it from the check that
+    finds the write complete)."""
+    p, d, p_kv, d_kv, _ = big_push_pair
+    handle = p.write_blocks("engine-d", [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], b"push:big")
+    assert collect_notifications(d, 1) == [b"push:big"]  # NOTE: the handle was never polled
+    for name in d_kv:
+        assert torch.equal(d_kv[name], p_kv[name].flip(0))
+    assert finish(handle) == TransferState.DONE
 
 
 def test_a_write_by_byte_ranges_lands_one_kv_head_in_a_block_of_another_size(head_push_pair):
