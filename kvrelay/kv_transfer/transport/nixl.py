@@ -115,6 +115,7 @@ class _NixlRead(TransferHandle):
         self._xfer = xfer
         self._state = state
         self._released = False
+        self._failure: str | None = None  # what the agent raised when asked, if it did
 
     def poll(self) -> TransferState:
         if self._state == "PROC":
@@ -123,9 +124,14 @@ class _NixlRead(TransferHandle):
         return _STATES.get(self._state, TransferState.ERROR)
 
     def _check(self) -> bool:
-        """Under the transport's lock: ask the agent again; True once the transfer has ended."""
+        """Under the transport's lock: ask the agent again; True once the transfer has ended.
+        An agent that raises ends the transfer as failed (the engine recovers per policy) rather
+        than raising into the engine's poll or stopping the progress thread's other checks."""
         if self._state == "PROC" and not self._released:
-            self._state = self._transport.agent.check_xfer_state(self._xfer)
+            try:
+                self._state = self._transport.agent.check_xfer_state(self._xfer)
+            except Exception as e:
+                self._state, self._failure = "ERR", f"{type(e).__name__}: {e}"
         return self._state != "PROC" or self._released
 
     def release(self) -> None:
@@ -143,6 +149,8 @@ class _NixlRead(TransferHandle):
     def error(self) -> str | None:
         if self._state in ("DONE", "PROC"):
             return None
+        if self._failure is not None:
+            return f"NIXL transfer failed: checking it raised {self._failure}"
         return f"NIXL transfer failed (state {self._state})"
 
 

@@ -21,6 +21,7 @@ from tests.kv_transfer.transport.helpers import (
     finish,
     kv_caches,
     require_backend,
+    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -98,15 +99,26 @@ def head_push_pair(request):
     yield from make_push_pair(request.param, d_kv)
 
 
-@pytest.fixture(params=["tcp", "nixl", "mooncake"])
-def big_push_pair(request):
-    """Blocks of 2 MB (6 per layer, 36 MB in all): a write too large to end inside the call that
-    posts it."""
+def big_kvs() -> list[dict[str, torch.Tensor]]:
+    """P's and D's pools of 2 MB blocks (6 per layer, 36 MB each): a write of them is too large
+    to end inside the call that posts it."""
     shape = (6, 2, NUM_KV_HEADS, 4096, HEAD_DIM * 4)
     names = list(kv_caches(seed=0))
-    kvs = [{name: torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for name in names}
-           for seed in (4, 5)]
-    yield from make_push_pair(request.param, d_kv=kvs[1], p_kv=kvs[0])
+    return [{name: torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for name in names}
+            for seed in (4, 5)]
+
+
+@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+def big_push_pair(request):
+    p_kv, d_kv = big_kvs()
+    yield from make_push_pair(request.param, d_kv=d_kv, p_kv=p_kv)
+
+
+@pytest.fixture
+def big_nixl_push_pair():
+    """Only the NIXL transport asks an agent for each transfer's state."""
+    p_kv, d_kv = big_kvs()
+    yield from make_push_pair("nixl", d_kv=d_kv, p_kv=p_kv)
 
 
 def test_a_write_is_announced_to_the_receiver_without_the_writer_polling_it(big_push_pair):
@@ -119,6 +131,37 @@ def test_a_write_is_announced_to_the_receiver_without_the_writer_polling_it(big_
     for name in d_kv:
         assert torch.equal(d_kv[name], p_kv[name].flip(0))
     assert finish(handle) == TransferState.DONE
+
+
+def test_a_transfer_whose_check_raises_fails_alone_and_the_others_still_complete(big_nixl_push_pair):
+    """One transfer whose state check raises ends as failed, with the reason, and the progress
+    thread goes on seeing the others through."""
+    p, d, _, _, _ = big_nixl_push_pair
+    doomed: list[object] = []
+    transfer, check = p.agent.transfer, p.agent.check_xfer_state
+
+    def post(xfer):
+        if not doomed:
+            doomed.append(xfer)
+            transfer(xfer)
+            return "PROC"  # NOTE: in flight whatever the agent says, so the checks reach it
+        return transfer(xfer)
+
+    def ask(xfer):
+        if xfer is doomed[0]:
+            raise RuntimeError("agent gone")
+        return check(xfer)
+
+    p.agent.transfer, p.agent.check_xfer_state = post, ask
+    broken = p.write_blocks("engine-d", [0, 1, 2], [0, 1, 2], b"push:broken")
+    healthy = p.write_blocks("engine-d", [3, 4, 5], [3, 4, 5], b"push:healthy")
+    received: list[bytes] = []
+    wait_for(lambda: received.extend(d.get_notifications()) or b"push:healthy" in received,
+             what="the healthy write's notification")
+    assert finish(healthy) == TransferState.DONE
+    assert broken.poll() == TransferState.ERROR
+    assert "agent gone" in (broken.error or "")
+    broken.release()
 
 
 def test_a_write_by_byte_ranges_lands_one_kv_head_in_a_block_of_another_size(head_push_pair):
