@@ -6,7 +6,10 @@
 
 Steps:
 1. `kvrelay profile` of the default model twice, in child processes: with half the threads (what
-   each of kvrelay up's P and D gets) and with all of them (the single instance).
+   each of kvrelay up's P and D gets; this one also measures how much slower a step gets while
+   a neighbour instance computes on the other cores, `--co-run`) and with all of them (the
+   single instance). The P/D prediction runs both instances on one shared host, as kvrelay up
+   does.
 2. bench_serving's workload (same seed, prompts, gaps, output length) turned into planner
    requests: each prompt tokenized as the server does (chat template), arrivals at gap / rate.
 3. Calibration: a few requests sent one at a time to each target before the load. The median of
@@ -43,7 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_serving  # noqa: E402
 
 from kvrelay.disagg.planner.profile import Profile, load_profile  # noqa: E402
-from kvrelay.disagg.planner.sim import ClusterSpec, SimResult, percentile, simulate  # noqa: E402
+from kvrelay.disagg.planner.sim import ClusterSpec, SimOptions, SimResult, percentile, simulate  # noqa: E402
 from kvrelay.disagg.planner.workload import RequestSpec, Workload  # noqa: E402
 
 TOLERANCE = 0.25
@@ -130,8 +133,13 @@ def latencies(result: SimResult) -> Latencies:
 CLUSTERS = {SINGLE: ClusterSpec(num_colocated=1), PD: ClusterSpec(num_prefill=1, num_decode=1)}
 
 
+# kvrelay up runs P and D on this one machine: each slows while the other computes
+# (the profile's co_run_slowdown; docs/planning.md)
+SHARED_HOST = SimOptions(shared_host=True)
+
+
 def predict(profiles: dict[str, Profile], wl: Workload) -> dict[str, Latencies]:
-    return {k: latencies(simulate(CLUSTERS[k], profiles[k], wl)) for k in (SINGLE, PD)}
+    return {k: latencies(simulate(CLUSTERS[k], profiles[k], wl, SHARED_HOST)) for k in (SINGLE, PD)}
 
 
 def with_overhead(p: Profile, calibrated: dict[str, float]) -> Profile:
@@ -363,6 +371,9 @@ def print_decode_tables(profiles: dict[str, Profile]) -> None:
         table = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(p.decode_by_batch.items()))
         print(f"profile {k} ({p.threads} thread(s)): decode step by batch size, ms less the context term: "
               f"{table or 'none (linear fit only)'}")
+        if p.co_run_slowdown:
+            print(f"profile {k}: beside a busy neighbour instance, steps take "
+                  + ", ".join(f"{kind} x{v:.2f}" for kind, v in sorted(p.co_run_slowdown.items())))
 
 
 def measurement_json(samples: dict[str, Calibration],
@@ -414,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
               "per-batch table (the model before decode_by_batch):")
         report["linear_decode_fit"], _ = compare(linear, samples, measured, wl, args, verbose=False,
                                                  scaled=args.fit_scale)
+    if any(p.co_run_slowdown for p in profiles.values()):
+        alone = {k: replace(p, co_run_slowdown={}) for k, p in profiles.items()}
+        print("\nthe same, without the co-run slowdown (each instance as if it had the machine to itself):")
+        report["no_co_run"], _ = compare(alone, samples, measured, wl, args, verbose=False,
+                                         scaled=args.fit_scale)
     other = not args.fit_scale
     print(f"\nthe same, {'with' if other else 'without'} the step-time scale fitted from the idle requests:")
     report["fit_scale" if other else "unscaled"], _ = compare(profiles, samples, measured, wl, args,

@@ -51,6 +51,10 @@ def _add_profile_parser(sub: Any) -> None:
                    help="the proxy's extra hop between P and D to record")
     p.add_argument("--step-overhead-ms", type=float, default=0.0,
                    help="cost a served step adds beyond the engine's (server loop, streaming) to record")
+    p.add_argument("--co-run", choices=("auto", "on", "off"), default="auto",
+                   help="also measure how much slower steps get while a neighbour instance computes on "
+                        "the other cores, as kvrelay up's P and D do (auto: when the machine has the "
+                        "cores for two instances of --threads)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_profile)
 
@@ -68,7 +72,7 @@ def profile_grid(args: argparse.Namespace) -> Any:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvrelay.disagg.planner.profiler import run_profile
+    from kvrelay.disagg.planner.profiler import available_cpus, run_profile
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -88,7 +92,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from kvrelay.engine.llm_engine import LLMEngine
     engine = LLMEngine(config)
-    profile = run_profile(engine, grid, args.max_seconds, args.threads, backends, not args.no_progress)
+    threads = args.threads or torch.get_num_threads()
+    co_run = args.co_run == "on" or (args.co_run == "auto" and 2 * threads <= available_cpus())
+    profile = run_profile(engine, grid, args.max_seconds, args.threads, backends, not args.no_progress,
+                          co_run=co_run)
     profile.overhead_ms = {"request": args.request_overhead_ms, "pd_hop": args.pd_hop_ms,
                            "step": args.step_overhead_ms}
     profile.save(args.output)
@@ -142,6 +149,9 @@ def _add_plan_parser(sub: Any) -> None:
     m.add_argument("--link-bandwidth", type=float, default=None,
                    help="P->D link GB/s (overrides the profile)")
     m.add_argument("--link-scope", default="per-prefill", help="per-prefill (default), per-pair or shared")
+    m.add_argument("--shared-host", action="store_true",
+                   help="every instance of a shape runs on one machine, as kvrelay up runs them: a step "
+                        "slows by the profile's co_run_slowdown while another instance computes")
     o = p.add_argument_group("output")
     o.add_argument("--plot", default=None,
                    help="write the attainment-vs-rate plot here: FILE.svg (no dependency), "
@@ -191,11 +201,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
         if args.needed_only:
             raise ValueError("--plot needs the goodput search: drop --needed-only")
+    if args.shared_host and not any(p.co_run_slowdown for p in (profile, pd_profile) if p is not None):
+        print("plan: note: the profile has no co_run_slowdown, so --shared-host changes nothing; "
+              "measure it with `kvrelay profile --co-run on`", file=sys.stderr)
     slo = SLO(args.ttft_slo, args.tpot_slo, args.percentile)
     sim = SimOptions(prefix_cache=not args.no_prefix_cache,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      max_num_seqs=args.max_num_seqs, backend=args.backend,
-                     link_bandwidth_gbs=args.link_bandwidth, link_scope=args.link_scope)
+                     link_bandwidth_gbs=args.link_bandwidth, link_scope=args.link_scope,
+                     shared_host=args.shared_host)
     arrivals = args.arrivals or ("scaled" if args.trace else "poisson")
     search = GoodputSearch(profile, workload, slo, sim,
                            SearchOptions(arrivals=arrivals, seed=args.seed, tolerance=args.tolerance,

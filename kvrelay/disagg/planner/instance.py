@@ -188,6 +188,12 @@ class Instance:
                 chunks.append((n, req.num_computed))
         return self.profile.step_ms(chunks, decodes)
 
+    @staticmethod
+    def step_kind(plan: StepPlan) -> str:
+        """"prefill" when the step computes a prompt chunk of more than one token (the profile's
+        prefill fit times it), else "decode"."""
+        return "prefill" if any(n != 1 for _, n in plan.scheduled) else "decode"
+
     def finish_step(self, plan: StepPlan, now: float) -> list[SimRequest]:
         """Apply a step's results; returns the requests that produced a token this step."""
         produced = []

@@ -134,6 +134,10 @@ class Profile:
     # multiplies every engine step's time: the share of the profiled speed an instance gets
     # where it runs (1: as profiled; 2: half the speed, e.g. a CPU shared with other work)
     step_time_scale: float = 1.0
+    # how much longer a step of each kind ("prefill", "decode") takes while another instance
+    # computes on the same machine's other cores (empty: not measured; the simulator's
+    # shared_host uses 1)
+    co_run_slowdown: dict[str, float] = field(default_factory=dict)
     source: str = "measured"
 
     @property
@@ -240,6 +244,7 @@ def profile_from_json(obj: Any, where: str = "profile") -> Profile:
                    prefill=fits["prefill"], decode=fits["decode"], transfer=transfer,
                    decode_by_batch=_by_batch(obj.get("decode_by_batch") or {}, where),
                    step_time_scale=_positive(obj.get("step_time_scale", 1.0), f"{where}: step_time_scale"),
+                   co_run_slowdown=_slowdowns(obj.get("co_run_slowdown") or {}, where),
                    overhead_ms={k: float(v) for k, v in (obj.get("overhead_ms") or {}).items()} or
                    {"request": 0.0, "pd_hop": 0.0},
                    gpus_per_instance=int(obj.get("gpus_per_instance", 1)), dtype=str(obj.get("dtype", "")),
@@ -251,6 +256,19 @@ def _positive(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ValueError(f"{where} must be a number > 0, got {value!r}")
     return float(value)
+
+
+def _slowdowns(obj: Any, where: str) -> dict[str, float]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: co_run_slowdown must be an object {{\"prefill\"|\"decode\": factor}}, "
+                         f"got {obj!r}")
+    out = {}
+    for key, value in obj.items():
+        if key not in ("prefill", "decode"):
+            raise ValueError(f"{where}: co_run_slowdown has the key {key!r}; "
+                             "it takes \"prefill\" and \"decode\"")
+        out[key] = _positive(value, f"{where}: co_run_slowdown.{key}")
+    return out
 
 
 def _by_batch(obj: Any, where: str) -> dict[int, float]:

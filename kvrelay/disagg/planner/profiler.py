@@ -226,8 +226,10 @@ def spread_order(n: int) -> list[int]:
 
 def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int | None,
                 backends: Sequence[str] | None = None, progress: bool = True,
-                model_name: str | None = None) -> Profile:
-    """Measure the grid on `engine` (stopping early after `max_seconds`), fit, and return the profile."""
+                model_name: str | None = None, co_run: bool = False) -> Profile:
+    """Measure the grid on `engine` (stopping early after `max_seconds`), fit, and return the
+    profile. With `co_run`, then also how much slower steps get beside a busy neighbour instance
+    (`corun.measure_co_run`), unless the deadline has passed."""
     from tqdm.auto import tqdm
 
     from kvrelay.worker.model_runner import kv_block_bytes
@@ -285,7 +287,43 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
         bar.set_postfix_str(kind)
         job()
     bar.close()
-    return _build_profile(engine, samples, threads, model_name, kv_block_bytes)
+    profile = _build_profile(engine, samples, threads, model_name, kv_block_bytes)
+    if co_run:
+        if time.monotonic() > deadline:
+            print("profile: --max-seconds reached before the co-run cases; the profile has no "
+                  "co_run_slowdown", flush=True)
+        else:
+            profile.co_run_slowdown, samples["co_run"] = _co_run(engine, timer, grid, profile.threads or 1,
+                                                                 progress)
+    return profile
+
+
+def _co_run(engine: Any, timer: StepTimer, grid: ProfileGrid, threads: int,
+            progress: bool) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    from tqdm.auto import tqdm
+
+    from kvrelay.disagg.planner import corun
+
+    cases = corun.pick_cases(grid.prefill_tokens, decode_batches(grid.decode_batch), grid.decode_context,
+                             engine.config.scheduler.max_num_batched_tokens, grid.reps)
+    config = corun.neighbour_config(engine, threads)
+    with tqdm(total=4, desc="co-run", unit="phase", disable=not progress) as bar:
+        started: list[str] = []
+
+        def phase(what: str) -> None:
+            bar.update(1 if started else 0)
+            started.append(what)
+            bar.set_postfix_str(what)
+        try:
+            slowdown, samples = corun.measure_co_run(timer, cases, lambda kind: corun.Neighbour(config, kind),
+                                                     phase)
+        except RuntimeError as exc:  # NOTE: the profile stays usable without it
+            print(f"profile: no co-run measurement: {exc}", flush=True)
+            return {}, []
+        bar.update(1)
+    print("profile: beside a busy neighbour instance, steps take "
+          + ", ".join(f"{k} x{v:.2f}" for k, v in slowdown.items()), flush=True)
+    return slowdown, samples
 
 
 def _build_profile(engine: Any, samples: dict[str, list[dict[str, Any]]], threads: int | None,
@@ -317,12 +355,12 @@ def _build_profile(engine: Any, samples: dict[str, list[dict[str, Any]]], thread
         decode_by_batch=decode_table(dec, decode.per_kpair_ms),
         threads=threads or torch.get_num_threads(),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        machine={"hostname": platform.node(), "cpus": _cpus(), "torch": torch.__version__,
+        machine={"hostname": platform.node(), "cpus": available_cpus(), "torch": torch.__version__,
                  "processor": platform.processor()},
         samples=samples)
 
 
-def _cpus() -> int:
+def available_cpus() -> int:
     import os
     try:
         return len(os.sched_getaffinity(0))

@@ -63,6 +63,7 @@ class SimOptions:
     link_bandwidth_gbs: float | None = None  # GB/s: overrides the profile's transfer fit
     link_latency_ms: float = 0.0
     link_scope: str = "per-prefill"
+    shared_host: bool = False  # all instances on one machine: steps slow down while others compute
 
     def __post_init__(self) -> None:
         if self.link_scope not in LINK_SCOPES:
@@ -102,6 +103,19 @@ class _Pool:
 
 
 @dataclass
+class _Step:
+    """A step in progress on a shared host: `work_ms` of it (at the alone speed) is left as of
+    `since`; it advances at `rate`; only the completion event carrying `token` is current."""
+    inst: Instance
+    plan: Any
+    kind: str
+    work_ms: float
+    since: float
+    rate: float = 1.0
+    token: int = 0
+
+
+@dataclass
 class _Transfer:
     p_instance: Instance
     p_request: SimRequest
@@ -117,6 +131,8 @@ class ClusterSim:
         self._seq = itertools.count()
         self._links: dict[Any, _Link] = {}
         self._transfers: dict[int, _Transfer] = {}
+        self._running: dict[str, _Step] = {}  # shared host: steps in progress, by instance name
+        self._tokens = itertools.count(1)
         self.requests = [SimRequest(i, spec) for i, spec in enumerate(workload.requests)]
         self.result = SimResult([math.inf] * len(self.requests), [math.inf] * len(self.requests))
         make = self._instance_factory(workload.hash_block_tokens)
@@ -197,7 +213,35 @@ class ClusterSim:
         if not plan.has_compute:
             return
         inst.busy = True
-        self.at(self.now + inst.step_ms(plan) / 1e3, self._step_done, inst, plan)
+        if not self.options.shared_host:
+            self.at(self.now + inst.step_ms(plan) / 1e3, self._step_done, inst, plan)
+            return
+        self._settle()
+        self._running[inst.name] = _Step(inst, plan, inst.step_kind(plan), inst.step_ms(plan), self.now)
+        self._replan()
+
+    # NOTE: shared host. A step's remaining work shrinks at its rate; the rates change only
+    # when a step starts or ends, so settling then and re-planning every end is exact.
+    def _settle(self) -> None:
+        for step in self._running.values():
+            step.work_ms = max(0.0, step.work_ms - (self.now - step.since) * 1e3 * step.rate)
+            step.since = self.now
+
+    def _replan(self) -> None:
+        crowded = len(self._running) > 1
+        for step in self._running.values():
+            slowdown = step.inst.profile.co_run_slowdown.get(step.kind, 1.0) if crowded else 1.0
+            step.rate, step.token = 1.0 / slowdown, next(self._tokens)
+            self.at(self.now + step.work_ms / step.rate / 1e3, self._shared_step_done, step.inst, step.token)
+
+    def _shared_step_done(self, inst: Instance, token: int) -> None:
+        step = self._running.get(inst.name)
+        if step is None or step.token != token:
+            return  # re-planned since: a later event ends it
+        self._settle()
+        del self._running[inst.name]
+        self._replan()
+        self._step_done(inst, step.plan)
 
     def _step_done(self, inst: Instance, plan: Any) -> None:
         inst.busy = False

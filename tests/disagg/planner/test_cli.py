@@ -96,10 +96,17 @@ def test_profile_command_writes_a_profile_plan_reads(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     done = subprocess.run([sys.executable, "-m", "kvrelay.entrypoints.cli", "profile", str(model), "--quick",
                            "--threads", "1", "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "128",
-                           "--backends", "tcp", "-o", str(out), "--no-progress"],
+                           "--backends", "tcp", "-o", str(out), "--no-progress", "--co-run", "on"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text())["threads"] == 1
+    written = json.loads(out.read_text())
+    assert written["threads"] == 1
+    # beside a neighbour engine (the same tiny model, in a child process): a factor per kind
+    assert set(written["co_run_slowdown"]) == {"prefill", "decode"}
+    assert all(v >= 1.0 for v in written["co_run_slowdown"].values())
+    assert {s["neighbour"] for s in written["samples"]["co_run"]} == {"prefill", "decode"}
+    assert all(s["alone_ms"] > 0 and s["co_run_ms"] > 0 for s in written["samples"]["co_run"])
+    assert "beside a busy neighbour instance" in done.stdout
     assert main(["plan", "--profile", str(out), "--num-requests", "20", "--input-len", "8-32",
                  "--output-len", "4", "--configs", "1,1P1D", "--ttft-slo", "10", "--tpot-slo", "1"]) == 0
 

@@ -24,6 +24,7 @@ def test_schema_round_trip(tmp_path: Path) -> None:
     profile = hand_profile()
     profile.decode_by_batch = {1: 5.0, 3: 4.0}
     profile.step_time_scale = 1.5
+    profile.co_run_slowdown = {"prefill": 1.2, "decode": 1.05}
     profile.samples = {"prefill": [{"batch_tokens": 8, "num_seqs": 1, "prefix_tokens": 0, "kpairs": 0.036,
                                     "ms": 3.0}], "decode": [], "transfer": []}
     path = tmp_path / "p.json"
@@ -43,6 +44,9 @@ def test_schema_round_trip(tmp_path: Path) -> None:
     (lambda o: o.update(decode_by_batch={"2": -1}), "decode_by_batch.2 must be a number >= 0"),
     (lambda o: o.update(decode_by_batch=[1, 2]), "decode_by_batch must be an object"),
     (lambda o: o.update(step_time_scale=0), "step_time_scale must be a number > 0"),
+    (lambda o: o.update(co_run_slowdown={"prefill": 0}), "co_run_slowdown.prefill must be a number > 0"),
+    (lambda o: o.update(co_run_slowdown={"mixed": 1.1}), "co_run_slowdown has the key 'mixed'"),
+    (lambda o: o.update(co_run_slowdown=1.2), "co_run_slowdown must be an object"),
 ])
 def test_bad_profile_fields_are_named(edit, message: str) -> None:  # type: ignore[no-untyped-def]
     obj = hand_profile().to_json()

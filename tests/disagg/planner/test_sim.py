@@ -111,3 +111,30 @@ def test_cluster_shape_is_validated() -> None:
         ClusterSpec(num_prefill=1)
     with pytest.raises(ValueError, match="xPyD"):
         ClusterSpec(num_colocated=1, num_prefill=1, num_decode=1)
+
+
+def test_shared_host_slows_steps_only_while_another_instance_computes() -> None:
+    crowded = hand_profile()
+    crowded.co_run_slowdown = {"prefill": 2.0}
+    two = ClusterSpec(num_colocated=2)
+    requests = [RequestSpec(0.0, 90, 1), RequestSpec(0.05, 90, 1)]  # one per instance, 100 ms each alone
+    assert run(two, requests, crowded).ttft_s == pytest.approx([0.100, 0.100])  # apart: as profiled
+    shared = run(two, requests, crowded, options=SimOptions(shared_host=True))
+    # A alone for 50 ms (half its work), then both at half speed: A's other 50 ms take 100 (ends
+    # at 150 ms), while B does 50 of its 100; then B alone for its last 50 (ends at 200 ms).
+    assert shared.ttft_s == pytest.approx([0.150, 0.150])
+
+
+def test_shared_host_prefill_beside_a_decoding_instance() -> None:
+    crowded = hand_profile()
+    crowded.co_run_slowdown = {"prefill": 1.5, "decode": 1.2}
+    result = run(PD, [RequestSpec(0.0, 100, 3), RequestSpec(0.160, 40, 1)], crowded,
+                 options=SimOptions(shared_host=True))
+    # A: P alone 110 ms; read 52 ms -> 162 ms. B reaches P at 160 ms: 50 ms of work, 2 alone.
+    # From 162 D steps A (last prompt token, then two decodes: 5 ms each, 6 beside P's prefill):
+    # tokens at 168, 174, 180 ms, while P does 4 ms of work per 6 ms (36 left at 180 ms, then
+    # alone: B's prompt done at 216 ms); read 2 + 20 ms -> 238; D's step -> 243 ms.
+    assert result.ttft_s == pytest.approx([0.168, 0.243 - 0.160])
+    assert result.tpot_s[0] == pytest.approx(0.006)
+    assert run(PD, [RequestSpec(0.0, 100, 3)], crowded, options=SimOptions(shared_host=True)).ttft_s == \
+        pytest.approx([0.167])  # alone the whole way: as profiled
