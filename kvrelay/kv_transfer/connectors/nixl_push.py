@@ -135,6 +135,7 @@ class PushWorker:
                                                       secret=self.keys.transport,
                                                       timeout_s=self.nixl_config.transfer_timeout_seconds)
         self.layout = self.transport.register_kv_caches({name: kv_caches[name] for name in names})
+        self.transport.expect_remote_access(False)  # until a push to send or to receive says otherwise
         if self.transfer_config.is_producer:
             self.sender = PushSender(self.transport, self.kv_spec, self.layout, self.nixl_config, kv_layers,
                                      nixl_worker.model_kv_heads(self.kv_spec))
@@ -158,14 +159,17 @@ class PushWorker:
     # ---------------------------------------------------------------- every step (engine thread)
 
     def start_step(self, meta: NixlPushMetadata) -> None:
-        if self.sender is not None:
-            self.sender.begin_step(meta)
-        if meta.recvs or meta.aborted_recvs:
-            assert self.receiver is not None, "push receives reached a worker that is not a consumer"
-            for recv in meta.recvs:
-                self.receiver.start(recv)
-            for req_id in meta.aborted_recvs:
-                self.receiver.abort(req_id)
+        try:
+            if self.sender is not None:
+                self.sender.begin_step(meta)
+            if meta.recvs or meta.aborted_recvs:
+                assert self.receiver is not None, "push receives reached a worker that is not a consumer"
+                for recv in meta.recvs:
+                    self.receiver.start(recv)
+                for req_id in meta.aborted_recvs:
+                    self.receiver.abort(req_id)
+        finally:
+            self._expect_access()
 
     def save_layer(self, layer_name: str) -> None:
         if self.sender is not None:
@@ -187,11 +191,18 @@ class PushWorker:
             output.invalid_block_ids = received.invalid_block_ids
             for key, value in received.stats.items():
                 output.stats[key] = output.stats.get(key, 0) + value
+        self._expect_access()
         return output
 
     def has_pending_work(self) -> bool:
         return (self.sender is not None and self.sender.has_pending()) or (
             self.receiver is not None and self.receiver.has_pending())
+
+    def _expect_access(self) -> None:
+        """Tell the transport whether peers may touch our blocks: while D awaits pushes or P
+        has pushes to send."""
+        if self.transport is not None:
+            self.transport.expect_remote_access(self.has_pending_work())
 
     # ---------------------------------------------------------------- side channel (server thread)
 

@@ -83,6 +83,7 @@ class NixlWorker:
                                           timeout_s=self.nixl_config.transfer_timeout_seconds,
                                           **self.nixl_config.mooncake_options())
         self.layout = self.transport.register_kv_caches(kv_caches)
+        self.transport.expect_remote_access(False)  # until a lease or a pull says otherwise
         if self.transfer_config.is_producer:
             self.leases = LeaseTable(
                 self.nixl_config.lease_seconds,
@@ -107,6 +108,12 @@ class NixlWorker:
     # ---------------------------------------------------------------- every step (engine thread)
 
     def start_load_kv(self, meta: NixlConnectorMetadata) -> None:
+        try:
+            self._start_load_kv(meta)
+        finally:
+            self._expect_access()
+
+    def _start_load_kv(self, meta: NixlConnectorMetadata) -> None:
         if meta.leases:
             assert self.leases is not None, "leases reached a worker that is not a producer"
             for lease in meta.leases:
@@ -133,10 +140,17 @@ class NixlWorker:
             output.failed_recving = pulled.failed
             output.invalid_block_ids = pulled.invalid_block_ids
             output.stats.update(pulled.stats)
+        self._expect_access()
         return output
 
     def has_pending_work(self) -> bool:
         return bool(self.leases) or (self.puller is not None and self.puller.has_pending())
+
+    def _expect_access(self) -> None:
+        """Tell the transport whether peers may touch our blocks: while P holds leases (D reads
+        them) or D has pulls going (its own reads)."""
+        if self.transport is not None:
+            self.transport.expect_remote_access(self.has_pending_work())
 
     # ---------------------------------------------------------------- side channel (server thread)
 

@@ -269,6 +269,13 @@ class KVTransport(ABC):
         """Ask `guard` before accepting each incoming write (where the transport sees them)."""
         return None
 
+    def expect_remote_access(self, expecting: bool) -> None:
+        """A hint from the owner: whether peers may read or write this side's memory now (P while
+        it holds blocks for readers, D while pushes are due). A transport that must poll to serve
+        them (NIXL over UCX without RDMA) polls slowly while nothing is expected and none of its
+        own transfers is in flight. Until the first call it assumes access is expected."""
+        return None
+
     @abstractmethod
     def get_notifications(self) -> list[bytes]:
         """Notifications received since the last call (on the owner's side)."""

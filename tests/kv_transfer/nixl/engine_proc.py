@@ -27,6 +27,10 @@ def _serve(conn: Any, kv_transfer_config: dict[str, Any], env: dict[str, str],
 
         nixl_worker.create_transport = lambda backend, config, **kw: InProcessTransport()  # type: ignore[assignment]
 
+    if "KVRELAY_TEST_NIXL_IDLE_S" in env:  # how slowly the NIXL progress thread polls when idle
+        from kvrelay.kv_transfer.transport import nixl
+
+        nixl.IDLE_INTERVAL_S = float(env["KVRELAY_TEST_NIXL_IDLE_S"])
     engine = make_engine(kv_transfer_config, **(engine_options or {}))
     conn.send(("ready", None))
     while True:

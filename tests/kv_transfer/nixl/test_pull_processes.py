@@ -97,3 +97,21 @@ def test_p_killed_mid_flight_d_recomputes(processes, reference, backend) -> None
     out = d.generate("dead", tokens, 4, params)
     assert out["token_ids"] == reference_tokens(reference, {"dead": tokens}, 4)["dead"]
     assert d.stats()["kv_load_failures"] == 1
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values == ("nixl",)])
+def test_an_idle_nixl_transport_still_serves_reads_at_once(processes, reference, backend) -> None:
+    """Between requests the NIXL progress thread polls slowly (IDLE_INTERVAL_S); here that is a
+    minute, so a read that waited for it (P serving D's read without expecting it) would time
+    out. P expects reads while it holds leases, D while its pulls run."""
+    slow = {**SECRET, "KVRELAY_TEST_NIXL_IDLE_S": "60"}
+    p = EngineProcess(nixl_config("kv_producer", backend=backend), slow)
+    processes.append(p)
+    d = EngineProcess(nixl_config("kv_consumer", backend=backend, transfer_timeout_seconds=20.0), slow)
+    processes.append(d)
+    for i in range(2):  # the second after both went idle again
+        tokens = prompt(3 * BLOCK_SIZE + 2, 40 + i)
+        out = d.generate(f"r{i}", tokens, 3, _prefill(p, f"p-r{i}", tokens))
+        assert out["token_ids"] == reference_tokens(reference, {"r": tokens}, 3)["r"]
+        assert d.wait_idle()["blocks_in_use"] == 0 and p.wait_idle()["blocks_in_use"] == 0
+    assert d.stats()["kv_load_failures"] == 0

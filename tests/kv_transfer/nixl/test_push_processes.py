@@ -92,6 +92,29 @@ def test_push_reproduces_single_instance_tokens(processes, reference, backend) -
     assert p.wait_idle()["kv_lease_expired"] == 0
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values == ("nixl",)])
+def test_an_idle_nixl_transport_still_takes_pushes_at_once(processes, reference, backend) -> None:
+    """Between requests the NIXL progress thread polls slowly (IDLE_INTERVAL_S); here that is a
+    minute, so a push that waited for it would time out. D expects writes while its receives are
+    due and P while it has pushes to send. (On this UCX build D's side takes writes even
+    unpolled, unlike a read's serving side, test_pull_processes: this guards the push path's
+    latency against the slow pace, not D's hint alone.)"""
+    port = free_port()
+    slow = {**SECRET, "KVRELAY_TEST_NIXL_IDLE_S": "60"}
+    p = EngineProcess(push_config("kv_producer", backend, port=port), slow)
+    processes.append(p)
+    d = EngineProcess(push_config("kv_consumer", backend, transfer_timeout_seconds=20.0), slow)
+    processes.append(d)
+    for i in range(2):  # the second after both went idle again
+        tokens = prompt(3 * BLOCK_SIZE + 2, 50 + i)
+        d.add(f"r{i}", tokens, 3, d_params(f"t-{i}", port))
+        p.add(f"p-{i}", tokens, 1, p_params(f"t-{i}"))
+        assert d.result(f"r{i}")["token_ids"] == reference_tokens(reference, {"r": tokens}, 3)["r"]
+        p.result(f"p-{i}")
+        assert d.wait_idle()["blocks_in_use"] == 0 and p.wait_idle()["blocks_in_use"] == 0
+    assert d.stats()["kv_load_failures"] == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_registration_after_p_finished_and_local_prefix_hits(processes, reference, backend) -> None:
     p, d, port = start_pair(processes, backend)
