@@ -6,19 +6,22 @@ not take each other's cores, but they share the last-level cache and the memory 
 1300-1355 ms while a neighbour decoded, and it is why the planner under-predicted P/D latency
 as load grew (docs/planning.md). A profile taken alone cannot see it.
 
-`measure_co_run` times a few prefill cases alone, then with a neighbour process decoding (what a
-P instance sees while its D works), and a few decode cases alone and with a neighbour prefilling
-(what a D sees). The neighbour is the same engine configuration in a child process
-(`python -m kvrelay.disagg.planner.corun CONFIG`), stepping until it is stopped or its parent
-goes away. The slowdown per kind is the median ratio of the two timings, at least 1 (a
-neighbour cannot make a step faster; a ratio under 1 is noise), and the simulator applies it
-while another instance on the shared host is computing (`SimOptions.shared_host`).
+`measure_co_run` times a few prefill cases with a neighbour process decoding (what a P instance
+sees while its D works) and a few decode cases with a neighbour prefilling (what a D sees). The
+neighbour is the same engine configuration in a child process (`python -m
+kvrelay.disagg.planner.corun CONFIG`), stepping until it is stopped or its parent goes away.
+Steps alone and beside it alternate, the neighbour paused (SIGSTOP) for the alone ones, so a
+drift in the machine's speed lands on both sides alike. The slowdown per kind is the median
+over the cases of the ratio of their medians, at least 1 (a neighbour cannot make a step
+faster; a ratio under 1 is noise), and the simulator applies it while another instance on the
+shared host is computing (`SimOptions.shared_host`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +55,7 @@ def pick_cases(prefill_tokens: Sequence[int], decode_batch: Sequence[int], decod
 
     contexts = sorted(decode_context)
     return CoRunCases(spread([t for t in prefill_tokens if t <= budget]), spread(decode_batch),
-                      contexts[len(contexts) // 2], max(2, reps))
+                      contexts[len(contexts) // 2], max(3, reps))
 
 
 def neighbour_config(engine: Any, threads: int) -> dict[str, Any]:
@@ -92,7 +95,15 @@ class Neighbour:
             why = err[-1] if err else f"no sign of life within {timeout_s:.0f} s"
             raise RuntimeError(f"the co-run neighbour ({self.kind}) did not start: {why}")
 
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()  # NOTE: a stopped process would not act on SIGTERM until continued
         self._terminate()
         for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
             if stream is not None and not stream.closed:
@@ -117,34 +128,44 @@ class Neighbour:
 def measure_co_run(timer: Any, cases: CoRunCases, start_neighbour: Callable[[str], Any],
                    phase: Callable[[str], None] = lambda _: None
                    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """The slowdown per kind and the samples it came from: each case timed alone, then with a
-    neighbour busy (decoding while prefills are timed, prefilling while decodes are), the median
-    of `cases.reps` steps each way. `phase` is told what starts next (four phases)."""
-    def prefill(tokens: int) -> float:
-        return statistics.median(timer.prefill_ms([tokens], 0) for _ in range(cases.reps))
+    """The slowdown per kind and the samples it came from: each case's steps alternate between
+    the neighbour paused and busy (decoding while prefills are timed, prefilling while decodes
+    are), `cases.reps` each way; a case's ratio is the ratio of the medians. `phase` is told
+    what starts next (two phases)."""
+    def prefill(tokens: int, neighbour: Any) -> tuple[list[float], list[float]]:
+        alone, crowded = [], []
+        for _ in range(cases.reps):
+            neighbour.pause()
+            alone.append(timer.prefill_ms([tokens], 0))
+            neighbour.resume()
+            crowded.append(timer.prefill_ms([tokens], 0))
+        return alone, crowded
 
-    def decode(batch: int) -> float:
-        steps = timer.decode_ms(batch, cases.decode_context, cases.reps)
-        return statistics.median(ms for _, ms in steps)
+    def decode(batch: int, neighbour: Any) -> tuple[list[float], list[float]]:
+        def before_step(i: int) -> None:
+            (neighbour.pause if i % 2 == 0 else neighbour.resume)()
 
-    plan: list[tuple[str, str, list[tuple[int, Callable[[int], float]]]]] = [
-        ("prefill", "decode", [(t, prefill) for t in cases.prefill_tokens]),
-        ("decode", "prefill", [(b, decode) for b in cases.decode_batches])]
+        steps = timer.decode_ms(batch, cases.decode_context, 2 * cases.reps, before_step)
+        neighbour.resume()
+        return [ms for _, ms in steps[0::2]], [ms for _, ms in steps[1::2]]
+
+    plan: list[tuple[str, str, Callable[[int, Any], tuple[list[float], list[float]]], tuple[int, ...]]] = [
+        ("prefill", "decode", prefill, cases.prefill_tokens),
+        ("decode", "prefill", decode, cases.decode_batches)]
     samples: list[dict[str, Any]] = []
     slowdown: dict[str, float] = {}
-    for kind, neighbour_kind, timed in plan:
-        if not timed:
+    for kind, neighbour_kind, time_case, sizes in plan:
+        if not sizes:
             continue
-        phase(f"{kind} alone")
-        alone = {size: time_it(size) for size, time_it in timed}
-        phase(f"{kind} beside a neighbour's {neighbour_kind}")
-        with start_neighbour(neighbour_kind):
-            crowded = {size: time_it(size) for size, time_it in timed}
+        phase(f"{kind} alone and beside a neighbour's {neighbour_kind}")
         ratios = []
-        for size, _ in timed:
-            samples.append({"kind": kind, "size": size, "neighbour": neighbour_kind,
-                            "alone_ms": alone[size], "co_run_ms": crowded[size]})
-            ratios.append(crowded[size] / alone[size])
+        with start_neighbour(neighbour_kind) as neighbour:
+            for size in sizes:
+                alone, crowded = time_case(size, neighbour)
+                samples.append({"kind": kind, "size": size, "neighbour": neighbour_kind,
+                                "alone_ms": statistics.median(alone),
+                                "co_run_ms": statistics.median(crowded)})
+                ratios.append(samples[-1]["co_run_ms"] / samples[-1]["alone_ms"])
         slowdown[kind] = max(1.0, statistics.median(ratios))
     return slowdown, samples
 

@@ -137,16 +137,20 @@ class StepTimer:
                              "--max-num-batched-tokens or --kv-cache-memory, or shrink the grid")
         return elapsed
 
-    def decode_ms(self, batch: int, context: int, steps: int) -> list[tuple[int, float]]:
-        """(total context, ms) of `steps` pure decode steps of `batch` sequences."""
+    def decode_ms(self, batch: int, context: int, steps: int,
+                  before_step: Callable[[int], None] | None = None) -> list[tuple[int, float]]:
+        """(total context, ms) of `steps` pure decode steps of `batch` sequences; `before_step`
+        is called with each timed step's index just before it starts."""
         for _ in range(batch):
             self.engine.add_request(self.fresh(context), self._params(steps + 1))
-        out = []
+        out: list[tuple[int, float]] = []
         sched = self.engine.scheduler
         while sched.has_unfinished_requests():
             pure = (len(sched.running) == batch and not sched.waiting
                     and all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running))
             total = sum(r.num_computed_tokens for r in sched.running)
+            if pure and before_step is not None and len(out) < steps:
+                before_step(len(out))
             start = time.perf_counter()
             self.engine.step()
             if pure:
@@ -307,7 +311,7 @@ def _co_run(engine: Any, timer: StepTimer, grid: ProfileGrid, threads: int,
     cases = corun.pick_cases(grid.prefill_tokens, decode_batches(grid.decode_batch), grid.decode_context,
                              engine.config.scheduler.max_num_batched_tokens, grid.reps)
     config = corun.neighbour_config(engine, threads)
-    with tqdm(total=4, desc="co-run", unit="phase", disable=not progress) as bar:
+    with tqdm(total=2, desc="co-run", unit="phase", disable=not progress) as bar:
         started: list[str] = []
 
         def phase(what: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,17 +23,31 @@ class FakeTimer:
     def prefill_ms(self, lens: list[int], prefix: int) -> float:
         return (10.0 + sum(lens)) * self._scale()
 
-    def decode_ms(self, batch: int, context: int, steps: int) -> list[tuple[int, float]]:
-        return [(batch * context, (5.0 + batch) * self._scale())] * steps
+    def decode_ms(self, batch: int, context: int, steps: int,
+                  before_step: Callable[[int], None] | None = None) -> list[tuple[int, float]]:
+        out = []
+        for i in range(steps):
+            if before_step is not None:
+                before_step(i)
+            out.append((batch * context, (5.0 + batch) * self._scale()))
+        return out
 
 
 class FakeNeighbour:
+    """Busy from the start, as corun.Neighbour is once it said ready; pause/resume as SIGSTOP/SIGCONT."""
+
     def __init__(self, timer: FakeTimer, kind: str, started: list[str]) -> None:
         self.timer, self.kind = timer, kind
         started.append(kind)
+        timer.neighbour = kind
+
+    def pause(self) -> None:
+        self.timer.neighbour = None
+
+    def resume(self) -> None:
+        self.timer.neighbour = self.kind
 
     def __enter__(self) -> FakeNeighbour:
-        self.timer.neighbour = self.kind
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -44,7 +59,7 @@ def test_prefill_is_timed_beside_a_decoder_and_decode_beside_a_prefiller() -> No
     started: list[str] = []
     cases = corun.pick_cases([16, 64, 256, 4096], [1, 2, 8, 32], [64, 256, 1024], budget=2048, reps=1)
     assert cases.prefill_tokens == (16, 64, 256) and cases.decode_batches == (1, 8, 32)
-    assert cases.decode_context == 256 and cases.reps == 2  # at least two steps per median
+    assert cases.decode_context == 256 and cases.reps == 3  # at least three steps per median
     slowdown, samples = corun.measure_co_run(timer, cases, lambda k: FakeNeighbour(timer, k, started))
     assert started == ["decode", "prefill"]
     assert slowdown == {"prefill": pytest.approx(1.3), "decode": pytest.approx(1.1)}
@@ -79,7 +94,10 @@ def test_a_neighbour_steps_until_stopped(tmp_path: Any) -> None:
               "max_num_batched_tokens": 128, "max_num_seqs": 8}
     neighbour = corun.Neighbour(config, "prefill", startup_timeout_s=120)
     assert neighbour.proc.poll() is None  # ready and still stepping
-    neighbour.stop()
+    neighbour.pause()
+    neighbour.resume()
+    neighbour.pause()
+    neighbour.stop()  # a paused neighbour stops too
     assert neighbour.proc.returncode is not None
     orphan = corun.Neighbour(config, "decode", startup_timeout_s=120)
     assert orphan.proc.stdin is not None
