@@ -1,10 +1,10 @@
 """How much slower an instance computes while another one computes on the same machine.
 
 `kvrelay up` runs its P and D instances side by side, each on its share of the cores. They do
-not take each other's cores, but they share the last-level cache and the memory bandwidth: on the
-2-core VM this was measured to stretch a one-thread prefill of 394 tokens from 1100 ms to
-1300-1355 ms while a neighbour decoded, and it is why the planner under-predicted P/D latency
-as load grew (docs/planning.md). A profile taken alone cannot see it.
+not take each other's cores, but they share the last-level cache and the memory bandwidth, and a
+profile taken alone cannot see what that costs. On the 2-core AMD VM it turned out small
+(1.00-1.07 in two runs, docs/planning.md); timing the alone steps first and the crowded ones
+after had said 1.02-1.15, which was the machine's speed drifting in between.
 
 `measure_co_run` times a few prefill cases with a neighbour process decoding (what a P instance
 sees while its D works) and a few decode cases with a neighbour prefilling (what a D sees). The
