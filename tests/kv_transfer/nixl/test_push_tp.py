@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.disagg.launcher import free_port_run
 from kvrelay.engine.llm import LLM
 from kvrelay.engine.llm_engine import LLMEngine
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
@@ -51,7 +52,8 @@ class Cluster:
     writes of transfers marked FAILING_MARK."""
 
     def __init__(self, backend: str, kv_heads: int = 2) -> None:
-        p2_config = push_config("kv_producer", backend, **EXTRA)
+        # NOTE: P tp 2's rank 1 listens on kv_port + 1: both must be free (one free port is not enough)
+        p2_config = push_config("kv_producer", backend, port=free_port_run("127.0.0.1", 2), **EXTRA)
         p2_config = failing_push_config(p2_config) if kv_heads == 2 else p2_config
         p1_config = push_config("kv_producer", backend, **EXTRA)
         self.ports = {1: p1_config["kv_port"], 2: p2_config["kv_port"]}
