@@ -293,20 +293,21 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
     bar.close()
     profile = _build_profile(engine, samples, threads, model_name, kv_block_bytes)
     if co_run:
-        if time.monotonic() > deadline:
-            print("profile: --max-seconds reached before the co-run cases; the profile has no "
-                  "co_run_slowdown", flush=True)
-        else:
-            profile.co_run_slowdown, samples["co_run"] = _co_run(engine, timer, grid, profile.threads or 1,
-                                                                 progress)
+        profile.co_run_slowdown, samples["co_run"] = _co_run(engine, timer, grid, profile.threads or 1,
+                                                             deadline, progress)
     return profile
 
 
-def _co_run(engine: Any, timer: StepTimer, grid: ProfileGrid, threads: int,
+def _co_run(engine: Any, timer: StepTimer, grid: ProfileGrid, threads: int, deadline: float,
             progress: bool) -> tuple[dict[str, float], list[dict[str, Any]]]:
     from tqdm.auto import tqdm
 
     from kvrelay.disagg.planner import corun
+
+    if time.monotonic() > deadline:
+        print("profile: --max-seconds reached before the co-run cases; the profile has no "
+              "co_run_slowdown", flush=True)
+        return {}, []
 
     cases = corun.pick_cases(grid.prefill_tokens, decode_batches(grid.decode_batch), grid.decode_context,
                              engine.config.scheduler.max_num_batched_tokens, grid.reps)

@@ -159,17 +159,15 @@ class PushWorker:
     # ---------------------------------------------------------------- every step (engine thread)
 
     def start_step(self, meta: NixlPushMetadata) -> None:
-        try:
-            if self.sender is not None:
-                self.sender.begin_step(meta)
-            if meta.recvs or meta.aborted_recvs:
-                assert self.receiver is not None, "push receives reached a worker that is not a consumer"
-                for recv in meta.recvs:
-                    self.receiver.start(recv)
-                for req_id in meta.aborted_recvs:
-                    self.receiver.abort(req_id)
-        finally:
-            self._expect_access()
+        if self.sender is not None:
+            self.sender.begin_step(meta)
+        if meta.recvs or meta.aborted_recvs:
+            assert self.receiver is not None, "push receives reached a worker that is not a consumer"
+            for recv in meta.recvs:
+                self.receiver.start(recv)
+            for req_id in meta.aborted_recvs:
+                self.receiver.abort(req_id)
+        self._expect_access()
 
     def save_layer(self, layer_name: str) -> None:
         if self.sender is not None:

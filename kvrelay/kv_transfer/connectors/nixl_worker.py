@@ -108,12 +108,6 @@ class NixlWorker:
     # ---------------------------------------------------------------- every step (engine thread)
 
     def start_load_kv(self, meta: NixlConnectorMetadata) -> None:
-        try:
-            self._start_load_kv(meta)
-        finally:
-            self._expect_access()
-
-    def _start_load_kv(self, meta: NixlConnectorMetadata) -> None:
         if meta.leases:
             assert self.leases is not None, "leases reached a worker that is not a producer"
             for lease in meta.leases:
@@ -124,6 +118,7 @@ class NixlWorker:
                 self.puller.start(pull)
             for req_id in meta.aborted_pulls:
                 self.puller.abort(req_id)
+        self._expect_access()
 
     def get_finished(self) -> KVConnectorOutput:
         output = KVConnectorOutput()

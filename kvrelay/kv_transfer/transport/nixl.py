@@ -197,7 +197,6 @@ class NixlTransport(KVTransport):
         self._notifications: deque[bytes] = deque()
         self._in_flight: set[_NixlRead] = set()  # posted, not yet seen complete (under self.lock)
         self._closed = False
-        self._stopping = threading.Event()
         self._progress_interval_s = progress_interval_s
         self._idle_interval_s = max(progress_interval_s, IDLE_INTERVAL_S if idle_interval_s is None
                                     else idle_interval_s)
@@ -374,7 +373,7 @@ class NixlTransport(KVTransport):
         while True:
             self._kick.wait(self._pace())
             self._kick.clear()
-            if self._stopping.is_set():
+            if self._closed:
                 return
             try:
                 self._collect_notifications()
@@ -392,7 +391,6 @@ class NixlTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
-        self._stopping.set()
         self._kick.set()
         if self._progress_thread is not None:
             self._progress_thread.join()
