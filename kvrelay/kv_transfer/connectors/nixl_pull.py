@@ -24,7 +24,7 @@ import logging
 import queue
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -44,9 +44,14 @@ from kvrelay.kv_transfer.connectors.nixl_meta import (
     ReleaseRequest,
 )
 from kvrelay.kv_transfer.connectors.nixl_pull_state import (
+    HandshakeAnswered,
+    HeartbeatAnswered,
     LocalIdentity,
     Peer,
+    PinAnswered,
+    PullEvent,
     PullResults,
+    PullStage,
     RankPull,
     RequestPulls,
 )
@@ -83,7 +88,7 @@ class Puller:
         self._peers: dict[str, Peer] = {}
         self._pulls: dict[tuple[str, int], RankPull] = {}
         self._requests: dict[str, RequestPulls] = {}
-        self._events: queue.Queue[tuple[Any, ...]] = WakingQueue()
+        self._events: queue.Queue[PullEvent] = WakingQueue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []  # threads of dropped peers, joined in close()
 
@@ -124,7 +129,7 @@ class Puller:
         """The request finished while loading. A read in flight completes (its blocks are freed
         once it settled); anything earlier ends now and P is told."""
         for pull in [p for p in self._pulls.values() if p.spec.req_id == req_id]:
-            if pull.state in ("reading", "cancelling"):
+            if pull.stage in (PullStage.READING, PullStage.CANCELLING):
                 pull.aborted = True
             else:
                 self._fail(pull, "aborted before its read started", count=False)
@@ -158,9 +163,9 @@ class Puller:
         request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id=peer.engine_id)
         try:
             reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
-            self._events.put(("handshake", peer, decode(reply.body, HandshakeReply), None))
+            self._events.put(HandshakeAnswered(peer, decode(reply.body, HandshakeReply), None))
         except SideChannelError as e:
-            self._events.put(("handshake", peer, None, f"handshake with {client.address} failed: {e}"))
+            self._events.put(HandshakeAnswered(peer, None, f"handshake with {client.address} failed: {e}"))
 
     def _pin_job(self, client: SideChannelClient, peer: Peer, spec: PullSpec, deadline: float,
                  ranges: list[tuple[int, int]]) -> None:
@@ -174,11 +179,11 @@ class Puller:
             try:
                 reply = client.call("pin", request, max(0.0, deadline - sent_at))
             except SideChannelError as e:
-                self._events.put(("pin", peer, key, None, f"pin failed: {e}", sent_at, ""))
+                self._events.put(PinAnswered(peer, key, None, f"pin failed: {e}", sent_at, ""))
                 return
             status: LeaseStatus = decode(reply.body, LeaseStatus)
             if status.state != LEASE_PENDING or time.monotonic() >= deadline or client.stop.is_set():
-                self._events.put(("pin", peer, key, status, None, sent_at, reply.sender))
+                self._events.put(PinAnswered(peer, key, status, None, sent_at, reply.sender))
                 return
             time.sleep(_PIN_RETRY_S[min(attempt, len(_PIN_RETRY_S) - 1)])
             attempt += 1
@@ -195,7 +200,7 @@ class Puller:
             logger.warning("NixlConnector: heartbeat to engine %s failed: %s", peer.engine_id, e)
             return
         statuses = decode(reply.body, LeaseStatuses).statuses
-        self._events.put(("heartbeat", peer, statuses, sent_at, reply.sender))
+        self._events.put(HeartbeatAnswered(peer, statuses, sent_at, reply.sender))
 
     @staticmethod
     def _release_job(client: SideChannelClient, spec: PullSpec, num_consumers: int) -> None:
@@ -215,23 +220,31 @@ class Puller:
                 event = self._events.get_nowait()
             except queue.Empty:
                 break
-            getattr(self, f"_on_{event[0]}")(*event[1:])
+            match event:
+                case HandshakeAnswered():
+                    self._on_handshake(event)
+                case PinAnswered():
+                    self._on_pin(event)
+                case HeartbeatAnswered():
+                    self._on_heartbeat(event)
         now = time.monotonic()
         for pull in list(self._pulls.values()):
-            if pull.state == "reading":
+            if pull.stage == PullStage.READING:
                 self._check_read(pull, now)
-            elif pull.state == "cancelling":
+            elif pull.stage == PullStage.CANCELLING:
                 self._check_cancelled(pull, now)
             elif now >= pull.deadline:
                 self._fail(pull, f"gave up after {self.config.transfer_timeout_seconds:.1f} s "
-                                 f"(still in the {pull.state} stage)", stat="timeouts")
+                                 f"(still in the {pull.stage} stage)", stat="timeouts")
         for peer in self._peers.values():
-            held = [p for p in self._pulls.values() if p.peer_key == peer.key and p.state != "cancelling"]
+            held = [p for p in self._pulls.values()
+                    if p.peer_key == peer.key and p.stage != PullStage.CANCELLING]
             peer.leases = tuple(LeaseRef(p.spec.remote_request_id, p.spec.lease_id) for p in held)
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, peer: Peer, reply: HandshakeReply | None, error: str | None) -> None:
+    def _on_handshake(self, event: HandshakeAnswered) -> None:
+        peer, reply, error = event.peer, event.reply, event.error
         if self._peers.get(peer.key) is not peer:
             return  # a peer dropped meanwhile
         if reply is not None and error is None:
@@ -252,7 +265,7 @@ class Puller:
         logger.info("NixlConnector: handshake with engine %s rank %d at %s:%d done (%s, %d blocks)",
                     peer.engine_id, peer.p_rank, peer.host, peer.port, reply.backend, reply.num_blocks)
         for pull in list(self._pulls.values()):
-            if pull.peer_key == peer.key and pull.state == "handshake":
+            if pull.peer_key == peer.key and pull.stage == PullStage.HANDSHAKE:
                 self._pin(peer, pull)
 
     def _incompatibility(self, peer: Peer, reply: HandshakeReply) -> str | None:
@@ -288,22 +301,22 @@ class Puller:
             self._fail(pull, f"its params name blocks {out_of_range} outside engine {peer.engine_id}'s "
                              f"pool of {peer.reply.num_blocks}", release=False)
             return
-        pull.state = "pin"
+        pull.stage = PullStage.PIN
         spec, deadline = pull.spec, pull.deadline
         ranges = [(r.remote_offset, r.length) for r in pull.source.ranges or ()]
         peer.thread.submit(lambda client: self._pin_job(client, peer, spec, deadline, ranges))
 
-    def _on_pin(self, peer: Peer, key: tuple[str, int], status: LeaseStatus | None, error: str | None,
-                sent_at: float, sender: str) -> None:
+    def _on_pin(self, event: PinAnswered) -> None:
+        peer, status = event.peer, event.status
         if self._peers.get(peer.key) is not peer:
             return  # asked a peer that was dropped since (its pulls were failed or moved)
-        pull = self._pulls.get(key)
-        if pull is None or pull.state != "pin":
+        pull = self._pulls.get(event.pull_key)
+        if pull is None or pull.stage != PullStage.PIN:
             return  # NOTE: a pull that ended meanwhile released its lease when it ended
-        if status is not None and not self._same_instance(peer, sender):
+        if status is not None and not self._same_instance(peer, event.sender):
             return
         if status is None or status.state != LEASE_ALIVE:
-            reason = error or f"P answered {status.state!r}: {status.error}"  # type: ignore[union-attr]
+            reason = event.error or f"P answered {status.state!r}: {status.error}"  # type: ignore[union-attr]
             self._fail(pull, f"could not pin its lease on engine {peer.engine_id}: {reason}",
                        release=status is not None)
             return
@@ -311,20 +324,21 @@ class Puller:
             self._fail(pull, "P sent no checksums for its blocks")
             return
         pull.checksums = status.checksums
-        self._keep_safe(pull, sent_at, status.remaining_s)
+        self._keep_safe(pull, event.sent_at, status.remaining_s)
         self._start_read(pull)
 
-    def _on_heartbeat(self, peer: Peer, statuses: list[LeaseStatus], sent_at: float, sender: str) -> None:
-        if self._peers.get(peer.key) is not peer or not self._same_instance(peer, sender):
+    def _on_heartbeat(self, event: HeartbeatAnswered) -> None:
+        peer = event.peer
+        if self._peers.get(peer.key) is not peer or not self._same_instance(peer, event.sender):
             return
         by_remote_id = {p.spec.remote_request_id: p for p in self._pulls.values() if p.peer_key == peer.key}
-        for status in statuses:
+        for status in event.statuses:
             pull = by_remote_id.get(status.request_id)
             if pull is None or status.state == LEASE_PENDING:
                 continue
             if status.state == LEASE_ALIVE:
-                self._keep_safe(pull, sent_at, status.remaining_s)
-            elif pull.state in ("handshake", "pin"):
+                self._keep_safe(pull, event.sent_at, status.remaining_s)
+            elif pull.stage in (PullStage.HANDSHAKE, PullStage.PIN):
                 self._fail(pull, f"its lease on engine {peer.engine_id} ended: {status.error}", release=False)
 
     def _same_instance(self, peer: Peer, sender: str) -> bool:
@@ -351,7 +365,7 @@ class Puller:
         except Exception as e:
             self._fail(pull, f"the transport refused the read: {e}")
             return
-        pull.state = "reading"
+        pull.stage = PullStage.READING
         pull.read_started = time.monotonic()
 
     def _check_read(self, pull: RankPull, now: float) -> None:
@@ -397,7 +411,7 @@ class Puller:
         if failed and not request.failed:
             request.failed = True
             for sibling in [p for p in self._pulls.values() if p.spec.req_id == pull.spec.req_id]:
-                if sibling.state in ("handshake", "pin"):  # NOTE: each settles through here
+                if sibling.stage in (PullStage.HANDSHAKE, PullStage.PIN):  # NOTE: each settles through here
                     self._fail(sibling, f"gave up: its read from P rank {pull.source.p_rank} failed",
                                count=False)
         if request.pending > 0 or self._requests.get(pull.spec.req_id) is not request:
@@ -423,7 +437,7 @@ class Puller:
         """End a pull unsuccessfully. A read still in flight is cancelled first: the failure is
         reported only once the transport says it settled, so no byte lands in a block the
         scheduler already handed to the recompute."""
-        if pull.state == "cancelling" or self._pulls.get(pull.key) is not pull:
+        if pull.stage == PullStage.CANCELLING or self._pulls.get(pull.key) is not pull:
             return
         if stat is not None:
             self._results.count(stat)
@@ -433,7 +447,7 @@ class Puller:
             # and P counting one reader twice would free blocks another D rank still reads.
             assert pull.handle is not None
             pull.handle.release()  # ask the transport to cancel; some finish the read anyway
-            pull.state, pull.failure, pull.release_on_settle = "cancelling", reason, release
+            pull.stage, pull.failure, pull.release_on_settle = PullStage.CANCELLING, reason, release
             pull.deadline = time.monotonic() + self.config.transfer_timeout_seconds
             return
         if release and state != TransferState.DONE:
@@ -490,9 +504,9 @@ class Puller:
         for pull in list(self._pulls.values()):
             if pull.peer_key != peer.key:
                 continue
-            if retry and pull.state in ("handshake", "pin"):
+            if retry and pull.stage in (PullStage.HANDSHAKE, PullStage.PIN):
                 logger.info("NixlConnector: request %s: %s; handshaking again", pull.spec.req_id, reason)
-                pull.state = "handshake"
+                pull.stage = PullStage.HANDSHAKE
                 self._peer_for(pull.spec, pull.source)
             else:
                 self._fail(pull, reason, release=False)

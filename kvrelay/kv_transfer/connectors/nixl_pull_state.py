@@ -7,9 +7,10 @@ A request's load is one `RankPull` per P rank it reads from (nixl_tp.py), groupe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, LeaseRef, PullSpec
+from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, LeaseRef, LeaseStatus, PullSpec
 from kvrelay.kv_transfer.connectors.nixl_tp import RankRead
 from kvrelay.kv_transfer.connectors.side_channel import PeerThread
 from kvrelay.kv_transfer.transport.base import RegionLayout, TransferHandle
@@ -53,6 +54,16 @@ class Peer:
     leases: tuple[LeaseRef, ...] = ()  # what the heartbeats keep alive (read by the peer thread)
 
 
+class PullStage(StrEnum):
+    """Where a pull is. A pull given up while its read is in flight waits in CANCELLING until the
+    transport settled the read, so no byte lands in a block the scheduler handed on."""
+
+    HANDSHAKE = "handshake"  # until its peer answered the handshake
+    PIN = "pin"  # until P pinned the lease (and sent the blocks' checksums)
+    READING = "reading"  # the transport reads
+    CANCELLING = "cancelling"
+
+
 @dataclass
 class RankPull:
     """A request's read from one P rank."""
@@ -61,7 +72,7 @@ class RankPull:
     source: RankRead
     peer_key: str
     deadline: float  # time.monotonic()
-    state: str = "handshake"  # -> "pin" -> "reading" (-> "cancelling": given up, read in flight)
+    stage: PullStage = PullStage.HANDSHAKE
     handle: TransferHandle | None = None
     checksums: list[int] = field(default_factory=list)
     safe_until: float = 0.0  # P promised to hold the blocks until then (monotonic)
@@ -73,6 +84,37 @@ class RankPull:
     @property
     def key(self) -> tuple[str, int]:
         return self.spec.req_id, self.source.p_rank
+
+
+# What a peer thread posts to the engine thread, which drains them in `Puller.poll`.
+
+
+@dataclass(frozen=True)
+class HandshakeAnswered:
+    peer: Peer
+    reply: HandshakeReply | None
+    error: str | None  # why there is no reply
+
+
+@dataclass(frozen=True)
+class PinAnswered:
+    peer: Peer
+    pull_key: tuple[str, int]
+    status: LeaseStatus | None
+    error: str | None  # why there is no status
+    sent_at: float  # monotonic: when the pin went out (P's lease counts from no earlier)
+    sender: str  # the answering P process's instance id ("" without an answer)
+
+
+@dataclass(frozen=True)
+class HeartbeatAnswered:
+    peer: Peer
+    statuses: list[LeaseStatus]
+    sent_at: float
+    sender: str
+
+
+PullEvent = HandshakeAnswered | PinAnswered | HeartbeatAnswered
 
 
 @dataclass

@@ -14,7 +14,7 @@ import queue
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, HandshakeRequest
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
@@ -26,12 +26,20 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PushStatus,
     PushStatuses,
 )
+from kvrelay.kv_transfer.connectors.nixl_push_recv_state import (
+    CancelAnswered,
+    PushHandshakeAnswered,
+    PushHeartbeatAnswered,
+    PushPeer,
+    RankRecv,
+    RecvEvent,
+    RegisterAnswered,
+)
 from kvrelay.kv_transfer.connectors.side_channel import SideChannelClient, SideChannelError, decode
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.connectors.nixl import NixlConfig
     from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
-    from kvrelay.kv_transfer.connectors.nixl_push_recv_state import PushPeer, RankRecv
     from kvrelay.kv_transfer.transport.base import KVTransport
 
 logger = logging.getLogger(__name__)
@@ -39,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 class PushMessages:
     def __init__(self, identity: LocalIdentity, instance_id: str, config: NixlConfig, transport: KVTransport,
-                 events: queue.Queue[tuple[Any, ...]]) -> None:
+                 events: queue.Queue[RecvEvent]) -> None:
         self.identity = identity
         self.instance_id = instance_id
         self.config = config
@@ -56,9 +64,9 @@ class PushMessages:
         request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id="")
         try:
             reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
-            self.events.put(("handshake", peer, decode(reply.body, HandshakeReply), None))
+            self.events.put(PushHandshakeAnswered(peer, decode(reply.body, HandshakeReply), None))
         except SideChannelError as e:
-            self.events.put(("handshake", peer, None, f"handshake with {client.address} failed: {e}"))
+            self.events.put(PushHandshakeAnswered(peer, None, f"handshake with {client.address} failed: {e}"))
 
     def register(self, client: SideChannelClient, recv: RankRecv) -> None:
         spec, layout, me = recv.spec, self.identity.layout, self.identity
@@ -84,7 +92,7 @@ class PushMessages:
             status, error, sender = decode(reply.body, PushStatus), None, reply.sender
         except SideChannelError as e:
             status, error, sender = None, f"registration failed: {e}", ""
-        self.events.put(("register", recv, status, error, time.monotonic(), sender))
+        self.events.put(RegisterAnswered(recv, status, error, time.monotonic(), sender))
 
     def decline(self, client: SideChannelClient, spec: PushRecv) -> None:
         """Tell a P rank this rank will not register: it frees the request once nobody else will."""
@@ -110,7 +118,7 @@ class PushMessages:
             logger.warning("NixlPushConnector: heartbeat to %s:%d failed: %s", peer.host, peer.port, e)
             return
         statuses = decode(reply.body, PushStatuses).statuses
-        self.events.put(("heartbeat", peer, refs, statuses, sent_at, time.monotonic(), reply.sender))
+        self.events.put(PushHeartbeatAnswered(peer, refs, statuses, sent_at, time.monotonic(), reply.sender))
 
     def cancel(self, client: SideChannelClient, recv: RankRecv) -> None:
         """Tell P to stop; ask again while its writes are in flight (bounded)."""
@@ -122,7 +130,7 @@ class PushMessages:
                 reply = client.call("push_cancel", body, min(2.0, self.config.transfer_timeout_seconds))
                 status = decode(reply.body, PushStatus)
                 if status.state != PUSH_CANCELLING or time.monotonic() > deadline or client.stop.is_set():
-                    self.events.put(("cancel", recv, status, reply.sender))
+                    self.events.put(CancelAnswered(recv, status, reply.sender))
                     return
                 time.sleep(0.005)
         except SideChannelError as e:

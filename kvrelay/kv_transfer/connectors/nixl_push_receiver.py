@@ -44,13 +44,12 @@ import queue
 import secrets
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from kvrelay.kv_transfer.connectors import security
-from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
 from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, PullResults
 from kvrelay.kv_transfer.connectors.nixl_push_guard import BlockGuard
 from kvrelay.kv_transfer.connectors.nixl_push_messages import PushMessages
@@ -67,9 +66,15 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PushStatus,
 )
 from kvrelay.kv_transfer.connectors.nixl_push_recv_state import (
+    CancelAnswered,
     Planning,
+    PushHandshakeAnswered,
+    PushHeartbeatAnswered,
     PushPeer,
     RankRecv,
+    RecvEvent,
+    RecvStage,
+    RegisterAnswered,
     RequestRecvs,
     handshake_problem,
 )
@@ -106,7 +111,7 @@ class PushReceiver:
         self._recvs: dict[tuple[str, int], RankRecv] = {}  # by (request id, P rank)
         self._requests: dict[str, RequestRecvs] = {}
         self._by_registration: dict[str, RankRecv] = {}
-        self._events: queue.Queue[tuple[Any, ...]] = WakingQueue()
+        self._events: queue.Queue[RecvEvent] = WakingQueue()
         self._results = PullResults()
         self._closing: list[PeerThread] = []
         self._messages = PushMessages(identity, instance_id, config, transport, self._events)
@@ -190,7 +195,15 @@ class PushReceiver:
                 event = self._events.get_nowait()
             except queue.Empty:
                 break
-            getattr(self, f"_on_{event[0]}")(*event[1:])
+            match event:
+                case PushHandshakeAnswered():
+                    self._on_handshake(event)
+                case RegisterAnswered():
+                    self._on_register(event)
+                case PushHeartbeatAnswered():
+                    self._on_heartbeat(event)
+                case CancelAnswered():
+                    self._on_cancel(event)
         for raw in self.transport.get_notifications():
             self._on_notification(raw)
         now = time.monotonic()
@@ -200,19 +213,20 @@ class PushReceiver:
             self._fail_planning(planning, "got no handshake from the prefill instance in time")
         timeout = self.config.transfer_timeout_seconds
         for recv in list(self._recvs.values()):
-            if recv.state == "cancelling":
+            if recv.stage == RecvStage.CANCELLING:
                 self._check_cancelled(recv, now)
             elif now >= recv.deadline:
                 self._results.count("timeouts")
                 self._give_up(recv, f"saw no progress from P rank {recv.source.p_rank} for {timeout:.1f} s "
-                                    f"(in the {recv.state} stage)")
+                                    f"(in the {recv.stage} stage)")
         for peer in self._peers.values():
             peer.refs = tuple(PushRef(r.spec.transfer_id, r.registration_id) for r in self._recvs.values()
-                              if r.address == peer.address and r.state == "waiting")
+                              if r.address == peer.address and r.stage == RecvStage.WAITING)
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, peer: PushPeer, reply: HandshakeReply | None, error: str | None) -> None:
+    def _on_handshake(self, event: PushHandshakeAnswered) -> None:
+        peer, reply, error = event.peer, event.reply, event.error
         if self._peers.get(peer.address) is not peer:
             return
         if reply is not None and error is None:
@@ -229,38 +243,38 @@ class PushReceiver:
             del self._planning[planning.spec.req_id]
             self._plan(planning.spec, reply.tp_size)
         for recv in list(self._recvs.values()):
-            if recv.address == peer.address and recv.state == "handshake":
+            if recv.address == peer.address and recv.stage == RecvStage.HANDSHAKE:
                 self._register(peer, recv)
 
     def _register(self, peer: PushPeer, recv: RankRecv) -> None:
-        recv.state, recv.contacted = "register", True
+        recv.stage, recv.contacted = RecvStage.REGISTER, True
         peer.thread.submit(functools.partial(self._messages.register, recv=recv))
 
-    def _on_register(self, recv: RankRecv, status: PushStatus | None, error: str | None,
-                     received_at: float, sender: str) -> None:
-        if self._recvs.get(recv.key) is not recv or recv.state != "register":
+    def _on_register(self, event: RegisterAnswered) -> None:
+        recv, status, received_at = event.recv, event.status, event.received_at
+        if self._recvs.get(recv.key) is not recv or recv.stage != RecvStage.REGISTER:
             return
         peer = self._peer_of(recv)
-        if status is not None and peer is not None and not self._same_instance(peer, sender):
+        if status is not None and peer is not None and not self._same_instance(peer, event.sender):
             return
         if status is None or status.state not in (PUSH_WAITING, PUSH_WRITING, PUSH_WRITTEN):
-            why = error or f"P answered {status.state!r}: {status.error}"  # type: ignore[union-attr]
+            why = event.error or f"P answered {status.state!r}: {status.error}"  # type: ignore[union-attr]
             recv.safe = status is not None and status.state == PUSH_REFUSED  # nothing was accepted
             self._give_up(recv, f"its push registration with P rank {recv.source.p_rank} failed: {why}")
             return
-        recv.state, recv.lease_s, recv.last_contact = "waiting", status.lease_s, received_at
+        recv.stage, recv.lease_s, recv.last_contact = RecvStage.WAITING, status.lease_s, received_at
         if peer is not None and status.lease_s > 0:
             peer.thread.heartbeat_s = min(peer.thread.heartbeat_s, status.lease_s / 3)
         self._progress(recv, status, received_at)
 
-    def _on_heartbeat(self, peer: PushPeer, refs: tuple[PushRef, ...], statuses: list[PushStatus],
-                      sent_at: float, received_at: float, sender: str) -> None:
-        if self._peers.get(peer.address) is not peer or not self._same_instance(peer, sender):
+    def _on_heartbeat(self, event: PushHeartbeatAnswered) -> None:
+        peer, received_at = event.peer, event.received_at
+        if self._peers.get(peer.address) is not peer or not self._same_instance(peer, event.sender):
             return
-        by_id = {ref.transfer_id: self._by_registration.get(ref.registration_id) for ref in refs}
-        for status in statuses:
+        by_id = {ref.transfer_id: self._by_registration.get(ref.registration_id) for ref in event.refs}
+        for status in event.statuses:
             recv = by_id.get(status.transfer_id)
-            if recv is None or recv.state != "waiting":
+            if recv is None or recv.stage != RecvStage.WAITING:
                 continue
             recv.last_contact = max(recv.last_contact, received_at)
             if status.state in (PUSH_WAITING, PUSH_WRITING, PUSH_WRITTEN):
@@ -280,13 +294,14 @@ class PushReceiver:
             recv.written_seen = recv.written_seen or written
             recv.deadline = now + self.config.transfer_timeout_seconds
 
-    def _on_cancel(self, recv: RankRecv, status: PushStatus, sender: str) -> None:
+    def _on_cancel(self, event: CancelAnswered) -> None:
+        recv = event.recv
         peer = self._peer_of(recv)
         if self._recvs.get(recv.key) is not recv:
             return
-        if peer is not None and not self._same_instance(peer, sender):
+        if peer is not None and not self._same_instance(peer, event.sender):
             return
-        if status.state == PUSH_CANCELLED:
+        if event.status.state == PUSH_CANCELLED:
             recv.safe = True
 
     def _same_instance(self, peer: PushPeer, sender: str) -> bool:
@@ -309,7 +324,7 @@ class PushReceiver:
         landed = PushLanded.decode(raw)
         if landed is not None:
             recv = self._live_recv(landed.transfer_id, landed.registration_id)
-            if recv is not None and recv.state != "cancelling" and not self.sees_writes:
+            if recv is not None and recv.stage != RecvStage.CANCELLING and not self.sees_writes:
                 recv.num_landed += 1
                 self._record_landed(recv, landed)
             return  # NOTE: where D sees writes (TCP) the guard recorded this write already
@@ -317,7 +332,7 @@ class PushReceiver:
         recv = self._live_recv(note.transfer_id, note.registration_id) if note is not None else None
         if note is None or recv is None:
             return  # a notification for a receive that ended
-        if recv.state == "cancelling":  # every write of P's had finished: the blocks are safe
+        if recv.stage == RecvStage.CANCELLING:  # every write of P's had finished: the blocks are safe
             recv.safe = True
             return
         if not self.sees_writes:
@@ -419,9 +434,10 @@ class PushReceiver:
 
     def _give_up(self, recv: RankRecv, reason: str, count: bool = True) -> None:
         """Stop the receive. Its failure is reported once no write of P's can land any more."""
-        if recv.state == "cancelling":
+        if recv.stage == RecvStage.CANCELLING:
             return
-        recv.state, recv.failure, recv.count_failure = "cancelling", reason, recv.count_failure and count
+        recv.stage, recv.failure = RecvStage.CANCELLING, reason
+        recv.count_failure = recv.count_failure and count
         self.guard.close(recv.registration_id)
         with self._messages.send_lock:  # from here on no registration or heartbeat for it leaves
             self._messages.given_up.add(recv.registration_id)

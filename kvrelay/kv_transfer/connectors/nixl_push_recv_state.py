@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from kvrelay.kv_transfer.compat import kv_incompatibility
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
 from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
-from kvrelay.kv_transfer.connectors.nixl_push_meta import PushRecv, PushRef
+from kvrelay.kv_transfer.connectors.nixl_push_meta import PushRecv, PushRef, PushStatus
 from kvrelay.kv_transfer.connectors.nixl_tp import RankRead, plan_reads
 from kvrelay.kv_transfer.connectors.side_channel import PeerThread
 from kvrelay.model.sharding import kv_heads_of_rank
@@ -38,6 +39,16 @@ class PushPeer:
         return self.host, self.port
 
 
+class RecvStage(StrEnum):
+    """Where a receive is. One given up waits in CANCELLING until P confirmed no write of its is
+    or will be in flight (or P's lease on the registration ran out)."""
+
+    HANDSHAKE = "handshake"  # until that P rank answered the handshake
+    REGISTER = "register"  # until P accepted the registration
+    WAITING = "waiting"  # P writes as it computes; the completing write ends it
+    CANCELLING = "cancelling"
+
+
 @dataclass
 class RankRecv:
     """A request's receive from one P rank: its registration there, and P's writes."""
@@ -47,7 +58,7 @@ class RankRecv:
     port: int  # that P rank's side channel
     registration_id: str
     deadline: float  # monotonic: fail unless P made progress by then
-    state: str = "handshake"  # -> "register" -> "waiting" (-> "cancelling": given up)
+    stage: RecvStage = RecvStage.HANDSHAKE
     contacted: bool = False  # a registration went out: P may write until told otherwise
     last_contact: float = 0.0  # when P last (possibly) renewed its lease, by our clock
     lease_s: float = 0.0
@@ -86,6 +97,46 @@ class RequestRecvs:
     failed: bool = False
     count_failure: bool = False  # a failure to report as one (not an abort)
     invalid_block_ids: set[int] = field(default_factory=set)
+
+
+# What a peer thread posts to the engine thread (nixl_push_messages.py), which drains them in
+# `PushReceiver.poll`.
+
+
+@dataclass(frozen=True)
+class PushHandshakeAnswered:
+    peer: PushPeer
+    reply: HandshakeReply | None
+    error: str | None  # why there is no reply
+
+
+@dataclass(frozen=True)
+class RegisterAnswered:
+    recv: RankRecv
+    status: PushStatus | None
+    error: str | None  # why there is no status
+    received_at: float  # monotonic
+    sender: str  # the answering P process's instance id ("" without an answer)
+
+
+@dataclass(frozen=True)
+class PushHeartbeatAnswered:
+    peer: PushPeer
+    refs: tuple[PushRef, ...]  # what the heartbeat renewed
+    statuses: list[PushStatus]
+    sent_at: float  # monotonic
+    received_at: float
+    sender: str
+
+
+@dataclass(frozen=True)
+class CancelAnswered:
+    recv: RankRecv
+    status: PushStatus
+    sender: str
+
+
+RecvEvent = PushHandshakeAnswered | RegisterAnswered | PushHeartbeatAnswered | CancelAnswered
 
 
 @dataclass
