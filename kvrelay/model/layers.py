@@ -36,11 +36,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out]; the same result as `F.linear`.
 
     On the CPU in float32 it picks, by the number of rows T:
-    - 1..512 rows: the native kernel (`linear.c`). Measured on an AMD EPYC (2 threads, MKL; all
-      121 weights of SmolLM2 in turn, so each is read from memory as in a decode step): at 16-64
-      rows 1.2-1.9x faster than MKL through `F.linear` (MKL runs at 50-100 GFLOP/s there, the
-      kernel at 100-170); from 64 rows on about even or a little ahead, and past 512 rows
-      (prefill) MKL is left to it. At 1-2 rows (single-stream decode, where reading the weight is
+    - 1..128 rows (1..512 where torch has no oneDNN): the native kernel (`linear.c`). Measured
+      on an AMD EPYC (2 threads, MKL; all 121 weights of SmolLM2 in turn, so each is read from
+      memory as in a decode step): at 16-64 rows 1.2-1.9x faster than MKL through `F.linear`
+      (MKL runs at 50-100 GFLOP/s there, the kernel at 100-170), from 64 to 512 rows about even
+      with MKL or a little ahead. At 1-2 rows (single-stream decode, where reading the weight is
       the whole cost) it streams the weights at 13 GB/s against 5.5 for the row-split `bmm`
       below: on an Intel Xeon (AVX-512, 2026-12-02) one pass over SmolLM2's weights took 41 ms
       against 97 at one thread and 38 against 70 at two, and a decode step of one or two
@@ -53,24 +53,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       rows: the weight's rows cut in `_ROW_PARTS` equal parts multiplied as one `bmm`, so each
       thread streams its own part (2.6x faster than `F.linear` at one row on the EPYC, where
       MKL's one-row product at two threads is pathological).
-    - past 512 rows (prefill chunks), oneDNN through torch (`mkldnn._linear_pointwise`) on the
+    - past 128 rows (prefill chunks), oneDNN through torch (`mkldnn._linear_pointwise`) on the
       weight as it is stored (no packed copy): on an AMD EPYC (2 threads, 2026-12-03) it ran
       SmolLM2's weights at 173-190 GFLOP/s at 600-2048 rows against 131-142 for `F.linear`
       (MKL, whose AMD code path is slower) and 151-156 for the native kernel; on an Intel Xeon
       the two libraries measured within a few percent of each other (oneDNN with a packed
-      weight -2% to +4% at 512-2048 rows, 2026-12-02). `F.linear` where oneDNN is not built in.
+      weight -2% to +4% at 512-2048 rows, 2026-12-02). Between 160 and 512 rows oneDNN was
+      4-14% ahead of the native kernel on the EPYC (all 120 layer weights in turn, best of 5),
+      7-30% with both held to AVX2; at 64 rows and below the kernel leads (136 against 128
+      GFLOP/s at 64 rows, 107 against 87 with AVX2), at 128 they are even. `F.linear` past 512
+      rows where oneDNN is not built in.
     - anything else: `F.linear`.
     """
     out_features, in_features = weight.shape
     if x.device.type != "cpu" or weight.dtype != torch.float32 or x.dim() != 2:
         return F.linear(x, weight, bias)
     num_tokens = x.shape[0]
-    if _NATIVE_MIN_TOKENS <= num_tokens <= _NATIVE_MAX_TOKENS:
+    if num_tokens > _NATIVE_MAX_TOKENS and _ONEDNN and weight.is_contiguous():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if _NATIVE_MIN_TOKENS <= num_tokens <= _NATIVE_MAX_TOKENS_WITHOUT_ONEDNN:
         kernel = linear_kernel()
         if kernel is not None and kernel.fits(x, weight, bias):
             return kernel(x, weight, bias)
-    if num_tokens > _NATIVE_MAX_TOKENS and _ONEDNN and weight.is_contiguous():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if out_features % _ROW_PARTS or num_tokens > _ROW_SPLIT_MAX_TOKENS:
         return F.linear(x, weight, bias)
     parts = weight.view(_ROW_PARTS, out_features // _ROW_PARTS, in_features)  # [P, out/P, in]
@@ -87,10 +91,18 @@ def _native_f32(*tensors: torch.Tensor) -> bool:
 
 
 _NATIVE_MIN_TOKENS = 1
-_NATIVE_MAX_TOKENS = 512
+_NATIVE_MAX_TOKENS = 128  # past it oneDNN, where torch has it
+_NATIVE_MAX_TOKENS_WITHOUT_ONEDNN = 512  # the kernel still beats F.linear (MKL) up to here
 _ROW_PARTS = 2
 _ROW_SPLIT_MAX_TOKENS = 64
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear_route_starts() -> tuple[int, ...]:
+    """The row counts at which `linear` takes another route on this build (the planner samples
+    decode steps on both sides of each: the step's cost jumps there)."""
+    native_max = _NATIVE_MAX_TOKENS if _ONEDNN else _NATIVE_MAX_TOKENS_WITHOUT_ONEDNN
+    return _NATIVE_MIN_TOKENS, native_max + 1
 
 
 class Linear(nn.Linear):

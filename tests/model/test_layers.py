@@ -41,8 +41,11 @@ def test_linear_module_is_a_drop_in_nn_linear() -> None:
 
 
 # ----------------------------------------------------------------------------- native kernels
-def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """1-512 rows (every decode step, single-stream included) go native; prefill does not."""
+@pytest.mark.parametrize("onednn", [True, False])
+def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pytest.MonkeyPatch,
+                                                               onednn: bool) -> None:
+    """1-128 rows (every decode step, single-stream included) go native, more to oneDNN; without
+    oneDNN the kernel takes up to 512 rows, F.linear the rest."""
     kernel = require_kernel("linear", "native", native.linear_kernel)
     calls: list[int] = []
 
@@ -54,21 +57,25 @@ def test_linear_uses_the_native_kernel_for_decode_batches_only(monkeypatch: pyte
             return kernel(x, weight, bias)
 
     monkeypatch.setattr(layers, "linear_kernel", lambda: Spy())
+    monkeypatch.setattr(layers, "_ONEDNN", onednn and layers._ONEDNN)
+    if onednn and not layers._ONEDNN:
+        pytest.skip("this torch build has no oneDNN (mkldnn)")
     torch.manual_seed(0)
     weight = torch.randn(64, 32)
-    for rows in (1, 2, 3, 64, 512, 513):
+    for rows in (1, 2, 3, 64, 128, 129, 512, 513):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
-    assert calls == [1, 2, 3, 64, 512]
+    native_rows = [1, 2, 3, 64, 128] if onednn else [1, 2, 3, 64, 128, 129, 512]
+    assert calls == native_rows
     linear(torch.randn(8, 40), torch.randn(64, 40))  # in_features 40 does not fit: torch
     linear(torch.randn(1, 40), torch.randn(64, 40))  # nor at one row: the row-split bmm
-    assert calls == [1, 2, 3, 64, 512]
+    assert calls == native_rows
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_prefill_rows_go_to_onednn_on_the_stored_weight(monkeypatch: pytest.MonkeyPatch,
                                                          with_bias: bool) -> None:
-    """Past 512 rows: oneDNN where torch has it (strided rows too), F.linear where it does not."""
+    """Past 128 rows: oneDNN where torch has it (strided rows too), F.linear past 512 where it does not."""
     if not layers._ONEDNN:
         pytest.skip("this torch build has no oneDNN (mkldnn)")
     torch.manual_seed(0)
@@ -85,10 +92,14 @@ def test_prefill_rows_go_to_onednn_on_the_stored_weight(monkeypatch: pytest.Monk
     out = linear(x, weight, bias)
     assert calls == [700] and out.shape == (700, 96) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    short = torch.randn(129, 576)  # the first row count past the native kernel's
+    torch.testing.assert_close(linear(short, weight, bias), F.linear(short, weight, bias),
+                               atol=1e-4, rtol=1e-4)
+    assert calls == [700, 129]
     linear(torch.randn(600, 576), torch.randn(576, 96).t())  # a transposed weight: F.linear
     monkeypatch.setattr(layers, "_ONEDNN", False)
     torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias))
-    assert calls == [700]
+    assert calls == [700, 129]
 
 
 def test_native_linear_off_or_without_compiler_falls_back_to_torch(

@@ -49,13 +49,12 @@ QUICK_GRID = ProfileGrid(prefill_tokens=(8, 32), prefill_seqs=(1, 2), prefix_tok
 
 def decode_batches(wanted: Sequence[int]) -> list[int]:
     """The grid's decode batch sizes plus both sides of every row count at which the engine's
-    linear layers change route (kvrelay.model.layers.linear: 1-512 rows native, more MKL), up to the
-    largest size asked for: a decode step's cost jumps there, and the profile's per-batch table
-    is interpolated between sampled sizes, so each side must be sampled."""
-    from kvrelay.model import layers
+    linear layers change route (kvrelay.model.layers.linear_route_starts), up to the largest size
+    asked for: a decode step's cost jumps there, and the profile's per-batch table is
+    interpolated between sampled sizes, so each side must be sampled."""
+    from kvrelay.model.layers import linear_route_starts
 
-    first_rows = (layers._NATIVE_MIN_TOKENS, layers._NATIVE_MAX_TOKENS + 1)
-    edges = {b for first in first_rows if first > 1 for b in (first - 1, first)}
+    edges = {b for first in linear_route_starts() if first > 1 for b in (first - 1, first)}
     return sorted(set(wanted) | {b for b in edges if 1 <= b <= max(wanted)})
 
 

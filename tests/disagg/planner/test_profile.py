@@ -17,6 +17,7 @@ from kvrelay.disagg.planner.profiler import (
     run_profile,
     spread_order,
 )
+from kvrelay.model import layers
 from tests.disagg.planner.conftest import hand_profile
 
 
@@ -101,10 +102,13 @@ def test_decode_by_batch_is_interpolated_between_sampled_sizes() -> None:
     assert profile.step_ms([(4, 0)], [0]) == profile.prefill.predict_ms(5, 2, 0.011)  # prefill: the fit
 
 
-def test_decode_grid_samples_both_sides_of_the_engine_route_change() -> None:
-    assert decode_batches([1, 4, 8]) == [1, 4, 8]  # 1..512 rows: one route (the native kernel)
+def test_decode_grid_samples_both_sides_of_the_engine_route_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layers, "_ONEDNN", True)
+    assert decode_batches([1, 4, 8]) == [1, 4, 8]  # 1..128 rows: one route (the native kernel)
     assert decode_batches([1]) == [1]
-    assert decode_batches([2, 600]) == [2, 512, 513, 600]
+    assert decode_batches([2, 600]) == [2, 128, 129, 600]  # then oneDNN
+    monkeypatch.setattr(layers, "_ONEDNN", False)
+    assert decode_batches([2, 600]) == [2, 512, 513, 600]  # native, then F.linear
 
 
 def test_decode_table_takes_the_median_less_the_context_term() -> None:
