@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.kv_cache_manager import KVCacheManager
+from kvrelay.core.null_connector import NULL_SCHEDULER_CONNECTOR
 from kvrelay.core.remote_kv import RemoteKVTracker
 from kvrelay.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvrelay.core.stats import SchedulerStats
@@ -28,13 +29,14 @@ from kvrelay.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvrelay.config import EngineConfig
+    from kvrelay.kv_transfer.protocols import SchedulerConnector
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 connector: Any = None) -> None:
+                 connector: SchedulerConnector | None = None) -> None:
         self.config = config
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
@@ -43,7 +45,8 @@ class Scheduler:
         self.block_size = config.cache.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, enable_caching=config.cache.enable_prefix_caching)
-        self.connector = connector  # scheduler-side KV connector, or None
+        # The scheduler-side KV connector; a null one (every call does nothing) without KV transfer.
+        self.connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR if connector is None else connector
         self.connector_name = type(connector).__name__ if connector is not None else ""
         kv_cfg = config.kv_transfer
         failure_policy = kv_cfg.kv_load_failure_policy if kv_cfg is not None else "recompute"
@@ -84,8 +87,7 @@ class Scheduler:
         blocks waiting for its consumer to read them) and the connector work they explain do
         not count: they settle on that other instance's schedule, not this caller's."""
         holding = bool(self._held_by_connector)
-        connector_busy = (self.connector is not None and not (holding and not include_held)
-                          and self.connector.has_pending_work())
+        connector_busy = not (holding and not include_held) and self.connector.has_pending_work()
         return bool(self.waiting or self.running or (holding and include_held)
                     or self.remote.has_pending() or self._pending_outputs or connector_busy)
 
@@ -125,8 +127,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
-        if self.connector is not None:
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     @property
@@ -208,10 +209,9 @@ class Scheduler:
         looked_up = not kv.get_block_ids(req.request_id)
         if looked_up:
             computed_blocks, num_local = kv.get_computed_blocks(req)
-            if self.connector is not None:
-                num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
-                if not load_async:  # a synchronous load must leave the last token to compute
-                    num_external = max(0, min(num_external, req.num_tokens - 1 - num_local))
+            num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_local)
+            if not load_async:  # a synchronous load must leave the last token to compute
+                num_external = max(0, min(num_external, req.num_tokens - 1 - num_local))
         num_computed = req.num_computed_tokens + num_local + num_external
         num_new = reserve_tokens = 0
         if load_async:
@@ -230,7 +230,7 @@ class Scheduler:
             return None
         # NOTE: only after a lookup: a request promoted after a failed load must not look to
         # the connector like a new admission (it could start a second transfer).
-        if self.connector is not None and looked_up:
+        if looked_up:
             self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_external)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_local
@@ -331,11 +331,7 @@ class Scheduler:
         """Release a finished request: the connector may keep its blocks (delay_free), and an
         in-flight load keeps them until it settles. Returns the connector's kv_transfer_params."""
         req_id = req.request_id
-        params = None
-        delay_free = False
-        if self.connector is not None:
-            delay_free, params = self.connector.request_finished(
-                req, self.kv_cache_manager.get_block_ids(req_id))
+        delay_free, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(req_id))
         if req_id in self._runner_known or req.num_preemptions:
             self._finished_req_ids.add(req_id)
         self._runner_known.pop(req_id, None)
@@ -403,8 +399,7 @@ class Scheduler:
             if req is not None:
                 req.blocks_held_by_connector = False
                 self._release_when_settled(req)
-        if self.connector is not None:
-            self.connector.update_connector_output(kv_out)
+        self.connector.update_connector_output(kv_out)
         self.stats.absorb_connector_stats(kv_out.stats)
 
     def _make_output(self, req: Request, new_ids: list[int], logprobs: list[Any],

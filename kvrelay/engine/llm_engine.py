@@ -197,8 +197,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the workers and the connectors' threads and transports. Idempotent; the engine is
         unusable after."""
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.shutdown()
+        self.scheduler.connector.shutdown()
         self.executor.shutdown()
 
     # ----------------------------------------------------------------------------- introspection
