@@ -48,6 +48,7 @@ from kvrelay.model.llama import CausalLM, build_model  # noqa: E402
 from kvrelay.model.loader import load_model  # noqa: E402
 from kvrelay.model.native import paged_decode_kernel  # noqa: E402
 from kvrelay.sampling_params import SamplingParams  # noqa: E402
+from kvrelay.utils import cdiv  # noqa: E402
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context  # noqa: E402
 from kvrelay.worker.kv_calibration import calibrate_kv_scales  # noqa: E402
 
@@ -76,7 +77,7 @@ def transfer_rows(formats: list[str], tokens: list[int], reps: int) -> list[dict
             columns["conn nixl"] = bench_transfer.connector_column("nixl", False, str(secret))
         for num_tokens in tokens:
             for name in formats:
-                p_kv, d_kv = pools(kv_format(name), 2 * -(-max(tokens) // BLOCK_SIZE))
+                p_kv, d_kv = pools(kv_format(name), 2 * cdiv(max(tokens), BLOCK_SIZE))
                 case = bench_transfer.make_case(num_tokens, BLOCK_SIZE, p_kv, d_kv)
                 row: dict[str, Any] = {"tokens": num_tokens, "format": name, "MB": case.num_bytes / 1e6}
                 # the columns alternate round by round (bench_transfer.measure_case); best round
@@ -105,7 +106,7 @@ class DecodeBench:
     def __init__(self, model: CausalLM, formats: list[str], batch: int, context: int) -> None:
         self.model, self.batch = model, batch
         spec = model.spec
-        blocks_per_seq = -(-context // BLOCK_SIZE)
+        blocks_per_seq = cdiv(context, BLOCK_SIZE)
         num_blocks = batch * blocks_per_seq + 8
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]

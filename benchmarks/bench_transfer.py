@@ -64,6 +64,7 @@ from kvrelay.kv_transfer.connectors.nixl_scheduler import make_lease_id
 from kvrelay.kv_transfer.connectors.nixl_worker import NixlWorker
 from kvrelay.kv_transfer.transport import TransferState, create_transport, nixl_available
 from kvrelay.kv_transfer.transport.base import describe_kv_caches
+from kvrelay.utils import cdiv
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 30, 3, 64, torch.float32  # SmolLM2-135M
 
@@ -95,7 +96,7 @@ def make_case(num_tokens: int, block_size: int, p_kv: dict[str, torch.Tensor],
               d_kv: dict[str, torch.Tensor]) -> Case:
     # NOTE: P's blocks from the start of its pool, D's from the end: both runs contiguous, as
     # a fresh allocation mostly is.
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     pool = next(iter(p_kv.values())).shape[0]
     return Case(num_tokens, block_size, p_kv, d_kv, remote_block_ids=list(range(num_blocks)),
                 local_block_ids=list(range(pool - num_blocks, pool)))
@@ -437,7 +438,7 @@ def run_columns(columns: dict[str, Column], tokens: list[int], block_sizes: list
                 reps: int) -> list[dict[str, float | int]]:
     rows: list[dict[str, float | int]] = []
     for block_size in block_sizes:
-        pool_blocks = 2 * -(-max(tokens) // block_size)
+        pool_blocks = 2 * cdiv(max(tokens), block_size)
         p_kv, d_kv = make_pools(block_size, pool_blocks)
         for num_tokens in tokens:
             case = make_case(num_tokens, block_size, p_kv, d_kv)
@@ -531,7 +532,7 @@ def print_mooncake_interleaved(tokens: list[int], block_sizes: list[int], reps: 
           "of each pair's mooncake / raw; target >= 0.8)")
     print(f"{'block':>6} {'tokens':>7} {'MB':>8} {'mooncake':>9} {'raw mc':>8} {'ratio':>6}")
     for block_size in block_sizes:
-        p_kv, d_kv = make_pools(block_size, 2 * -(-max(tokens) // block_size))
+        p_kv, d_kv = make_pools(block_size, 2 * cdiv(max(tokens), block_size))
         for num_tokens in tokens:
             case = make_case(num_tokens, block_size, p_kv, d_kv)
             ours, raw, ratio = interleaved_mooncake(case, reps, lambda c: _check_copied(c, "mooncake"))

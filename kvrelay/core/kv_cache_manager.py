@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvrelay.core.block_hash import update_block_hashes
 from kvrelay.core.block_pool import BlockPool, KVCacheBlock
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.request import Request
@@ -24,10 +25,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

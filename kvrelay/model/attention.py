@@ -30,6 +30,7 @@ from torch import nn
 
 from kvrelay.model.kv_format import KVFormat, dequantize_kv, kv_format, quantize_kv
 from kvrelay.model.native import elementwise_kernels, paged_decode_kernel
+from kvrelay.utils import cdiv
 from kvrelay.worker.forward_context import get_forward_context
 
 
@@ -138,7 +139,7 @@ def build_attention_metadata(
 def _check_seq(i: int, query_len: int, seq_len: int, table: list[int], block_size: int) -> None:
     if query_len < 0 or seq_len < query_len:
         raise ValueError(f"seq {i}: need 0 <= query_len <= seq_len, got {query_len} and {seq_len}")
-    needed = -(-seq_len // block_size)
+    needed = cdiv(seq_len, block_size)
     if len(table) < needed:
         raise ValueError(
             f"seq {i}: block table has {len(table)} blocks but seq_len {seq_len} needs {needed} "
@@ -151,7 +152,7 @@ def _prefill_seq(
 ) -> PrefillSeq:
     if query_len == seq_len:  # nothing cached before: causal attention over this step's k/v
         return PrefillSeq(start, start + query_len, seq_len, None, None)
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     block_ids = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
     query_pos = torch.arange(seq_len - query_len, seq_len, device=device)  # [query_len]
     key_pos = torch.arange(seq_len, device=device)  # [seq_len]
@@ -168,10 +169,10 @@ def _decode_batch(
     device: torch.device,
 ) -> DecodeBatch:
     lens = [seq_lens[i] for i in seqs]
-    max_blocks = -(-max(lens) // block_size)
+    max_blocks = cdiv(max(lens), block_size)
     rows = []
     for i, seq_len in zip(seqs, lens, strict=True):
-        table = block_tables[i][: -(-seq_len // block_size)]
+        table = block_tables[i][: cdiv(seq_len, block_size)]
         rows.append(table + [table[0]] * (max_blocks - len(table)))  # pad with a real block
     block_ids = torch.tensor(rows, dtype=torch.int64, device=device).flatten()
 

@@ -18,6 +18,7 @@ from kvrelay.model.attention import Attention
 from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary_, linear
 from kvrelay.model.sharding import shard_layout, shard_spec, shard_weights
 from kvrelay.model.spec import ModelSpec
+from kvrelay.utils import cdiv
 
 # Fused parameter -> the Hugging Face projections stacked (along dim 0) into it.
 _FUSED_SOURCES = {
@@ -145,7 +146,7 @@ class CausalLM(nn.Module):
         if tp.size == 1:
             return linear(hidden, weight).float()
         vocab = weight.shape[0]
-        share = -(-vocab // tp.size)
+        share = cdiv(vocab, tp.size)
         lo, hi = min(vocab, tp.rank * share), min(vocab, (tp.rank + 1) * share)
         local = linear(hidden, weight[lo:hi]).float()  # [N, hi - lo]
         if hi - lo < share:  # the last rank's share is short when vocab % tp != 0

@@ -23,6 +23,7 @@ import torch
 from kvrelay.model.attention import build_attention_metadata
 from kvrelay.model.kv_format import KVFormat
 from kvrelay.model.llama import CausalLM
+from kvrelay.utils import cdiv
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 
 CALIBRATION_TOKENS = 256
@@ -43,7 +44,7 @@ def calibrate_kv_scales(model: CausalLM, fmt: KVFormat, device: torch.device,
     spec = model.spec
     token_ids = calibration_token_ids(spec.vocab_size, min(CALIBRATION_TOKENS, spec.max_position_embeddings))
     num_tokens = len(token_ids)
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     layers = model.attention_layers()
     saved = {name: (layer.kv_cache, layer.kv_format, layer.kv_scales) for name, layer in layers.items()}
     meta = build_attention_metadata([num_tokens], [num_tokens], [list(range(num_blocks))], block_size, device)

@@ -24,6 +24,7 @@ from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.utils import cdiv
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 from kvrelay.worker.kv_connector_step import NULL_WORKER_CONNECTOR, WorkerConnector, kv_connector_step
 
@@ -217,7 +218,7 @@ def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: tor
     tensor = torch.empty(shape, dtype=dtype, device=device)
     if device.type == "cpu" and sys.platform == "linux":
         start = tensor.data_ptr()
-        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # the whole 2 MB pages inside the tensor
+        first = cdiv(start, _HUGE_PAGE) * _HUGE_PAGE  # the whole 2 MB pages inside the tensor
         last = (start + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
         if last > first:
             try:

@@ -10,6 +10,7 @@ import torch
 from kvrelay.model import native
 from kvrelay.model.attention import Attention, build_attention_metadata
 from kvrelay.model.native import paged_decode_kernel
+from kvrelay.utils import cdiv
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 from tests.model.kernels import ARCHS, require_kernel
 
@@ -116,7 +117,7 @@ def scattered_decode(
     """One decode step over a paged cache whose blocks are shuffled: returns the layer output and the
     reference computed from the cache contents (including this step's k/v, written by the layer)."""
     torch.manual_seed(1)
-    counts = [-(-n // block_size) for n in lens]
+    counts = [cdiv(n, block_size) for n in lens]
     perm = torch.randperm(sum(counts) + 3).tolist()  # blocks anywhere, a few unused
     tables = [perm[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(lens))]
     attn = Attention("layer", num_heads, num_kv_heads, head_dim, scale=head_dim**-0.5)
@@ -183,7 +184,7 @@ def test_native_decode_rescales_when_a_later_block_holds_the_maximum(arch: str,
     # weights accumulated so far. Keys grow along the context, so each block beats the last.
     kernel = use_native_decode(arch, monkeypatch)
     block_size, head_dim, seq_len = 16, 64, 100
-    blocks = -(-seq_len // block_size)
+    blocks = cdiv(seq_len, block_size)
     cache = torch.zeros(blocks, 2, 1, block_size, head_dim)
     keys = torch.linspace(0.0, 3.0, blocks * block_size)[:, None] * torch.ones(head_dim) / 8  # [L, D]
     values = torch.randn(blocks * block_size, head_dim)

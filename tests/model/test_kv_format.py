@@ -17,6 +17,7 @@ from kvrelay.config import CacheConfig
 from kvrelay.model import native
 from kvrelay.model.attention import Attention, build_attention_metadata
 from kvrelay.model.kv_format import dequantize_kv, kv_format, quantize_kv, resolve_kv_format
+from kvrelay.utils import cdiv
 from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 from kvrelay.worker.kv_calibration import scales_from_amax
 from tests.model.kernels import ARCHS, require_kernel
@@ -55,7 +56,7 @@ def decode_step(name: str, num_heads: int, num_kv_heads: int, head_dim: int, len
     """One decode step of an Attention layer whose cache is in format `name`, blocks shuffled.
     Returns (output, reference over the stored values, reference over the float32 values)."""
     torch.manual_seed(3)
-    counts = [-(-n // block_size) for n in lens]
+    counts = [cdiv(n, block_size) for n in lens]
     perm = torch.randperm(sum(counts) + 3).tolist()
     tables = [perm[sum(counts[:i]): sum(counts[: i + 1])] for i in range(len(lens))]
     fp32_cache = torch.randn(len(perm), 2, num_kv_heads, block_size, head_dim)  # [N, 2, Hkv, bs, D]
@@ -128,7 +129,7 @@ def check_kernel_against_widened_values(kernel: native.PagedDecode, name: str, g
     with 1 thread (whole sequences per work item) and 2 (4 sequences: split by KV head)."""
     torch.manual_seed(5)
     num_kv_heads, lens = 2, [1, 7, 16, 45]
-    counts = [-(-n // block_size) for n in lens]
+    counts = [cdiv(n, block_size) for n in lens]
     perm = torch.randperm(sum(counts) + 2)
     tables = torch.zeros(len(lens), max(counts), dtype=torch.int64)
     for i, table in enumerate(perm[:sum(counts)].split(counts)):

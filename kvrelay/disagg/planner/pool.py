@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvrelay.utils import cdiv
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, chunk_tokens: int,
@@ -20,14 +22,14 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
-        self.chunk_blocks = -(-chunk_tokens // block_size)
+        self.chunk_blocks = cdiv(chunk_tokens, block_size)
         self.enable_prefix_cache = enable_prefix_cache
         self.num_free = num_blocks  # blocks neither held by a request nor caching a chunk
         self._holders: dict[int, int] = {}  # chunk id -> requests holding it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # unheld chunk ids, LRU first
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     @property
     def blocks_in_use(self) -> int:

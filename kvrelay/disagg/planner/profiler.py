@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.disagg.planner.profile import Profile, StepFit, TransferFit, kpairs
+from kvrelay.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def measure_transfer(backend: str, spec: Any, block_size: int, dtype: str, num_t
     from kvrelay.kv_transfer.transport import TransferState, create_transport
     from kvrelay.worker.model_runner import torch_dtype
 
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     shape = (num_blocks, 2, spec.num_kv_heads, block_size, spec.head_dim)  # [blocks, 2, H_kv, bs, D]
     names = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
     src = {n: torch.rand(shape).to(torch_dtype(dtype)) for n in names}

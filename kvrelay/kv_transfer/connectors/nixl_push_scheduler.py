@@ -14,6 +14,7 @@ from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_push_meta import NixlPushMetadata, PushHold, PushRecv, PushStep
 from kvrelay.kv_transfer.connectors.nixl_scheduler import make_lease_id
 from kvrelay.request import RequestStatus
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.core.sched_output import SchedulerOutput
@@ -22,10 +23,6 @@ if TYPE_CHECKING:
     from kvrelay.request import Request
 
 TRANSFER_MODES = ("pull", "push")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def transfer_mode(params: dict[str, Any] | None) -> str:
@@ -103,7 +100,7 @@ class NixlPushScheduler:
         # NOTE: used once: a preempted request recomputes instead of registering again.
         request.kv_transfer_params = {**params, "do_remote_prefill": False}
         rejected = check_push_params(params, self.keys)
-        num_prompt_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        num_prompt_blocks = cdiv(request.num_prompt_tokens, self.block_size)
         num_local = request.num_prompt_tokens - num_external_tokens
         first_block = num_local // self.block_size if num_external_tokens else num_prompt_blocks
         if num_external_tokens == 0 and rejected is not None:
@@ -158,7 +155,7 @@ class NixlPushScheduler:
         out: dict[str, Any] = {
             "do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
             "remote_engine_id": self.transfer_config.engine_id, "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids[:_cdiv(request.num_prompt_tokens, self.block_size)]),
+            "remote_block_ids": list(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)]),
             "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": self.tp_size,
             "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
             "remote_lease_id": make_lease_id(now_ms), "remote_lease_expiry_ms": now_ms + 1000}

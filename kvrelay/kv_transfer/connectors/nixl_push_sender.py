@@ -76,6 +76,7 @@ from kvrelay.kv_transfer.connectors.nixl_push_state import (
 from kvrelay.kv_transfer.connectors.nixl_tp import plan_writes
 from kvrelay.kv_transfer.transport.base import RegionLayout, TransferHandle, TransferState
 from kvrelay.model.sharding import kv_heads_of_rank
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -88,10 +89,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_WAITING = 1024  # requests with registrations P has not started yet
 _MAX_REMEMBERED = 4096  # ended jobs (and early declines) remembered
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PushSender:
@@ -158,7 +155,7 @@ class PushSender:
     def _fold(self, job: Job, reg: Registration, layer: int, upto: int) -> None:
         """Fold `layer`'s blocks that are final at `upto` tokens into the registration's checksums,
         so the completing write has only the last layer's share left to add."""
-        num_prompt_blocks = _cdiv(job.num_prompt_tokens, self.block_size)
+        num_prompt_blocks = cdiv(job.num_prompt_tokens, self.block_size)
         if reg.digests is None:
             reg.digests = security.DigestFold(self.kv_layers, num_prompt_blocks, reg.local_ranges)
         # NOTE: a partial last block changes until the prompt is complete; fold it only then
@@ -235,9 +232,9 @@ class PushSender:
         if not self._writable(reg) or upto <= 0:
             return
         req = reg.request
-        num_prompt_blocks = _cdiv(job.num_prompt_tokens, self.block_size)
+        num_prompt_blocks = cdiv(job.num_prompt_tokens, self.block_size)
         sent = reg.sent[layers[0]]
-        start, end = max(req.first_block, sent // self.block_size), min(_cdiv(upto, self.block_size),
+        start, end = max(req.first_block, sent // self.block_size), min(cdiv(upto, self.block_size),
                                                                          num_prompt_blocks)
         others_done = all(reg.sent[i] >= job.num_prompt_tokens
                           for i in range(self.num_layers) if i not in layers)

@@ -28,6 +28,7 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
 from kvrelay.kv_transfer.connectors.nixl_tp import RankRead, plan_writes
 from kvrelay.kv_transfer.transport.base import ByteRange, TransferHandle
 from kvrelay.model.sharding import kv_heads_of_rank
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.connectors import security
@@ -217,7 +218,7 @@ def reader_plan(request: PushRegister, num_kv_heads: int, p_tp: int, p_rank: int
 
 def blocks_problem(request: PushRegister, block_size: int) -> str | None:
     """Why the registered blocks cannot hold the prompt's blocks from `first_block` on, or None."""
-    num_prompt_blocks = -(-request.num_prompt_tokens // block_size)
+    num_prompt_blocks = cdiv(request.num_prompt_tokens, block_size)
     if not 0 <= request.first_block <= num_prompt_blocks:
         return f"first_block {request.first_block} is outside the prompt's {num_prompt_blocks} blocks"
     if len(request.block_ids) != num_prompt_blocks - request.first_block:

@@ -12,16 +12,13 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import LeaseSpec, NixlConnectorMetadata, PullSpec
 from kvrelay.request import RequestStatus
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.config import KVTransferConfig
     from kvrelay.kv_transfer.connectors.nixl import NixlConfig
     from kvrelay.outputs import KVConnectorOutput
     from kvrelay.request import Request
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def make_lease_id(issued_ms: int) -> str:
@@ -96,7 +93,7 @@ class NixlScheduler:
                 self._pulls.append(self._pull_spec(request, params, [], notify_only=True))
             return
         num_local = request.num_prompt_tokens - num_external_tokens
-        num_prompt_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        num_prompt_blocks = cdiv(request.num_prompt_tokens, self.block_size)
         local_block_ids = block_ids[num_local // self.block_size:num_prompt_blocks]
         pull = self._pull_spec(request, params, local_block_ids, rejected=rejected)
         self._pulls.append(pull)
@@ -135,7 +132,7 @@ class NixlScheduler:
                 or request.status != RequestStatus.FINISHED_LENGTH_CAPPED
                 or request.num_computed_tokens < request.num_prompt_tokens):
             return False, None
-        prompt_block_ids = list(block_ids[:_cdiv(request.num_prompt_tokens, self.block_size)])
+        prompt_block_ids = list(block_ids[:cdiv(request.num_prompt_tokens, self.block_size)])
         now_ms = int(time.time() * 1000)
         lease_id = make_lease_id(now_ms)
         expiry_ms = now_ms + int(self.nixl_config.lease_seconds * 1000)

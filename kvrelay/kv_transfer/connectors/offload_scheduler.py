@@ -20,6 +20,7 @@ from kvrelay.kv_transfer.connectors.offload_meta import (
 from kvrelay.kv_transfer.offload.config import OffloadConfig
 from kvrelay.kv_transfer.offload.lookup import LookupClient, ShardedLookupClient
 from kvrelay.outputs import KVConnectorOutput
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.core.sched_output import SchedulerOutput
@@ -108,7 +109,7 @@ class OffloadScheduler:
         them. The last block may be partial: the tokens past `end` it receives are recomputed
         identically (or, past the prompt, never read before they are written)."""
         loads: list[ChunkLoad] = []
-        first, stop = start // self.block_size, -(-end // self.block_size)
+        first, stop = start // self.block_size, cdiv(end, self.block_size)
         for block in range(first, stop):
             chunk, offset = divmod(block, self.blocks_per_chunk)
             key: str | None = keys.chunks[chunk] if chunk < len(keys.chunks) else keys.tail
@@ -167,7 +168,7 @@ class OffloadScheduler:
     def _tail_save(self, req_id: str, tracked: _Tracked) -> ChunkSave | None:
         keys = tracked.keys
         first = len(keys.chunks) * self.blocks_per_chunk
-        num_blocks = -(-keys.tail_tokens // self.block_size)
+        num_blocks = cdiv(keys.tail_tokens, self.block_size)
         blocks = tracked.block_ids[first:first + num_blocks]
         if keys.tail is None or len(blocks) != num_blocks:
             return None

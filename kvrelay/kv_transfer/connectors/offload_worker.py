@@ -39,6 +39,7 @@ from kvrelay.kv_transfer.offload.config import OffloadConfig
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 from kvrelay.kv_transfer.offload.store import Expected, TieredStore
 from kvrelay.model.kv_format import kv_format
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.base import KVCacheSpec
@@ -167,7 +168,7 @@ class _Background:
 
     def entry_blocks(self, tail_tokens: int) -> int:
         """Blocks an entry holds: a full chunk's, or those its tail's tokens span."""
-        return -(-tail_tokens // self.block_size) if tail_tokens else self.blocks_per_chunk
+        return cdiv(tail_tokens, self.block_size) if tail_tokens else self.blocks_per_chunk
 
     def load(self, job: LoadJob, report: bool = True) -> set[int]:
         """Copy a job's entries into their blocks, in order, until one is missing or corrupt;

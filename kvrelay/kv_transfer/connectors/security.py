@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvrelay import env
+from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -161,7 +162,7 @@ def _shape_error(params: Mapping[str, Any], num_prompt_tokens: int, block_size: 
         return f"the params carry {num_tokens} tokens, the prompt has {num_prompt_tokens}"
     if params.get("remote_block_size") != block_size:
         return f"the peer's block size is {params.get('remote_block_size')}, ours is {block_size}"
-    num_blocks = -(-num_prompt_tokens // block_size)
+    num_blocks = cdiv(num_prompt_tokens, block_size)
     if not isinstance(block_ids, list) or len(block_ids) != num_blocks:
         return (f"the params name {len(block_ids or [])} blocks for {num_prompt_tokens} tokens "
                 f"(need {num_blocks})")

@@ -27,6 +27,7 @@ import struct
 import numpy as np
 
 from kvrelay.kv_transfer.offload.base import Blob
+from kvrelay.utils import cdiv
 
 MAGIC = b"KVRC"
 VERSION = 2  # 1 used crc32: such entries are now a miss and get rewritten
@@ -53,7 +54,7 @@ class ChunkError(ValueError):
 
 def header_size(key: str, fingerprint: str) -> int:
     raw = _FIXED.size + len(key) + len(fingerprint)
-    return -(-raw // _ALIGN) * _ALIGN
+    return cdiv(raw, _ALIGN) * _ALIGN
 
 
 def encode_chunk(key: str, fingerprint: str, payload: memoryview, tail_tokens: int = 0) -> bytearray:
