@@ -243,7 +243,7 @@ class Puller:
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, event: HandshakeAnswered) -> None:
+    def _on_handshake(self, event: HandshakeAnswered[Peer]) -> None:
         peer, reply, error = event.peer, event.reply, event.error
         if self._peers.get(peer.key) is not peer:
             return  # a peer dropped meanwhile

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, LeaseRef, LeaseStatus, PullSpec
 from kvrelay.kv_transfer.connectors.nixl_tp import RankRead
@@ -89,9 +89,15 @@ class RankPull:
 # What a peer thread posts to the engine thread, which drains them in `Puller.poll`.
 
 
+PeerT = TypeVar("PeerT")
+
+
 @dataclass(frozen=True)
-class HandshakeAnswered:
-    peer: Peer
+class HandshakeAnswered(Generic[PeerT]):
+    """A P rank answered the handshake, or could not be reached (the push receiver posts it too,
+    with its own kind of peer)."""
+
+    peer: PeerT
     reply: HandshakeReply | None
     error: str | None  # why there is no reply
 
@@ -114,7 +120,7 @@ class HeartbeatAnswered:
     sender: str
 
 
-PullEvent = HandshakeAnswered | PinAnswered | HeartbeatAnswered
+PullEvent = HandshakeAnswered[Peer] | PinAnswered | HeartbeatAnswered
 
 
 @dataclass

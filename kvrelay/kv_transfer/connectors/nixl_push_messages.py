@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply, HandshakeRequest
+from kvrelay.kv_transfer.connectors.nixl_pull_state import HandshakeAnswered
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
     PUSH_CANCELLING,
     PushCancel,
@@ -28,7 +29,6 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
 )
 from kvrelay.kv_transfer.connectors.nixl_push_recv_state import (
     CancelAnswered,
-    PushHandshakeAnswered,
     PushHeartbeatAnswered,
     PushPeer,
     RankRecv,
@@ -64,9 +64,9 @@ class PushMessages:
         request = HandshakeRequest(engine_id=self.identity.engine_id, expected_engine_id="")
         try:
             reply = client.call("handshake", request, self.config.transfer_timeout_seconds)
-            self.events.put(PushHandshakeAnswered(peer, decode(reply.body, HandshakeReply), None))
+            self.events.put(HandshakeAnswered(peer, decode(reply.body, HandshakeReply), None))
         except SideChannelError as e:
-            self.events.put(PushHandshakeAnswered(peer, None, f"handshake with {client.address} failed: {e}"))
+            self.events.put(HandshakeAnswered(peer, None, f"handshake with {client.address} failed: {e}"))
 
     def register(self, client: SideChannelClient, recv: RankRecv) -> None:
         spec, layout, me = recv.spec, self.identity.layout, self.identity

@@ -51,6 +51,7 @@ import zmq
 
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_pull import LocalIdentity, PullResults
+from kvrelay.kv_transfer.connectors.nixl_pull_state import HandshakeAnswered
 from kvrelay.kv_transfer.connectors.nixl_push_guard import BlockGuard
 from kvrelay.kv_transfer.connectors.nixl_push_messages import PushMessages
 from kvrelay.kv_transfer.connectors.nixl_push_meta import (
@@ -68,7 +69,6 @@ from kvrelay.kv_transfer.connectors.nixl_push_meta import (
 from kvrelay.kv_transfer.connectors.nixl_push_recv_state import (
     CancelAnswered,
     Planning,
-    PushHandshakeAnswered,
     PushHeartbeatAnswered,
     PushPeer,
     RankRecv,
@@ -196,7 +196,7 @@ class PushReceiver:
             except queue.Empty:
                 break
             match event:
-                case PushHandshakeAnswered():
+                case HandshakeAnswered():
                     self._on_handshake(event)
                 case RegisterAnswered():
                     self._on_register(event)
@@ -225,7 +225,7 @@ class PushReceiver:
         results, self._results = self._results, PullResults()
         return results
 
-    def _on_handshake(self, event: PushHandshakeAnswered) -> None:
+    def _on_handshake(self, event: HandshakeAnswered[PushPeer]) -> None:
         peer, reply, error = event.peer, event.reply, event.error
         if self._peers.get(peer.address) is not peer:
             return

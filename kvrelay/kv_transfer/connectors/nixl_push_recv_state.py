@@ -15,7 +15,7 @@ from enum import StrEnum
 from kvrelay.kv_transfer.compat import kv_incompatibility
 from kvrelay.kv_transfer.connectors import security
 from kvrelay.kv_transfer.connectors.nixl_meta import HandshakeReply
-from kvrelay.kv_transfer.connectors.nixl_pull_state import LocalIdentity
+from kvrelay.kv_transfer.connectors.nixl_pull_state import HandshakeAnswered, LocalIdentity
 from kvrelay.kv_transfer.connectors.nixl_push_meta import PushRecv, PushRef, PushStatus
 from kvrelay.kv_transfer.connectors.nixl_tp import RankRead, plan_reads
 from kvrelay.kv_transfer.connectors.side_channel import PeerThread
@@ -104,13 +104,6 @@ class RequestRecvs:
 
 
 @dataclass(frozen=True)
-class PushHandshakeAnswered:
-    peer: PushPeer
-    reply: HandshakeReply | None
-    error: str | None  # why there is no reply
-
-
-@dataclass(frozen=True)
 class RegisterAnswered:
     recv: RankRecv
     status: PushStatus | None
@@ -136,7 +129,7 @@ class CancelAnswered:
     sender: str
 
 
-RecvEvent = PushHandshakeAnswered | RegisterAnswered | PushHeartbeatAnswered | CancelAnswered
+RecvEvent = HandshakeAnswered[PushPeer] | RegisterAnswered | PushHeartbeatAnswered | CancelAnswered
 
 
 @dataclass
