@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_serving  # noqa: E402
 
+from kvrelay.disagg.planner import corun  # noqa: E402
 from kvrelay.disagg.planner.profile import Profile, load_profile  # noqa: E402
 from kvrelay.disagg.planner.sim import ClusterSpec, SimOptions, SimResult, percentile, simulate  # noqa: E402
 from kvrelay.disagg.planner.workload import RequestSpec, Workload  # noqa: E402
@@ -372,8 +373,7 @@ def print_decode_tables(profiles: dict[str, Profile]) -> None:
         print(f"profile {k} ({p.threads} thread(s)): decode step by batch size, ms less the context term: "
               f"{table or 'none (linear fit only)'}")
         if p.co_run_slowdown:
-            print(f"profile {k}: beside a busy neighbour instance, steps take "
-                  + ", ".join(f"{kind} x{v:.2f}" for kind, v in sorted(p.co_run_slowdown.items())))
+            print(f"profile {k}: {corun.describe(p.co_run_slowdown)}")
 
 
 def measurement_json(samples: dict[str, Calibration],

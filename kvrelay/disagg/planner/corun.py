@@ -58,6 +58,12 @@ def pick_cases(prefill_tokens: Sequence[int], decode_batch: Sequence[int], decod
                       contexts[len(contexts) // 2], max(3, reps))
 
 
+def describe(slowdown: dict[str, float]) -> str:
+    """A profile's co_run_slowdown in words, as the profiler and bench_planner print it."""
+    factors = ", ".join(f"{kind} x{value:.2f}" for kind, value in sorted(slowdown.items()))
+    return f"beside a busy neighbour instance, steps take {factors}"
+
+
 def neighbour_config(engine: Any, threads: int) -> dict[str, Any]:
     cfg = engine.config
     return {"model": cfg.model.model, "dtype": cfg.model.dtype, "threads": threads,

@@ -234,8 +234,6 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
     """Measure the grid on `engine` (stopping early after `max_seconds`), fit, and return the
     profile. With `co_run`, then also how much slower steps get beside a busy neighbour instance
     (`corun.measure_co_run`), unless the deadline has passed."""
-    from tqdm.auto import tqdm
-
     from kvrelay.worker.model_runner import kv_block_bytes
 
     cfg = engine.config
@@ -283,19 +281,27 @@ def run_profile(engine: Any, grid: ProfileGrid, max_seconds: float, threads: int
                [("transfer", transfer_job(*c)) for c in transfer_cases]]
     jobs += [job for turn in itertools.zip_longest(*by_kind) for job in turn if job is not None]
     deadline = time.monotonic() + max_seconds
-    bar = tqdm(jobs, desc="profiling", unit="case", disable=not progress)
-    for kind, job in bar:
-        if time.monotonic() > deadline:
-            bar.write(f"profile: --max-seconds {max_seconds:g} reached; fitting what was measured")
-            break
-        bar.set_postfix_str(kind)
-        job()
-    bar.close()
+    _run_jobs(jobs, deadline, f"--max-seconds {max_seconds:g}", progress)
     profile = _build_profile(engine, samples, threads, model_name, kv_block_bytes)
     if co_run:
         profile.co_run_slowdown, samples["co_run"] = _co_run(engine, timer, grid, profile.threads or 1,
                                                              deadline, progress)
     return profile
+
+
+def _run_jobs(jobs: Sequence[tuple[str, Callable[[], None]]], deadline: float, limit: str,
+              progress: bool) -> None:
+    """Run the measurement jobs in order until the deadline (`limit` names it in the message)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(jobs, desc="profiling", unit="case", disable=not progress)
+    for kind, job in bar:
+        if time.monotonic() > deadline:
+            bar.write(f"profile: {limit} reached; fitting what was measured")
+            break
+        bar.set_postfix_str(kind)
+        job()
+    bar.close()
 
 
 def _co_run(engine: Any, timer: StepTimer, grid: ProfileGrid, threads: int, deadline: float,
@@ -326,8 +332,7 @@ def _co_run(engine: Any, timer: StepTimer, grid: ProfileGrid, threads: int, dead
             print(f"profile: no co-run measurement: {exc}", flush=True)
             return {}, []
         bar.update(1)
-    print("profile: beside a busy neighbour instance, steps take "
-          + ", ".join(f"{k} x{v:.2f}" for k, v in slowdown.items()), flush=True)
+    print(f"profile: {corun.describe(slowdown)}", flush=True)
     return slowdown, samples
 
 

@@ -11,6 +11,13 @@ from tests.kv_transfer.transport.helpers import make_pair, require_backend
 pytestmark = pytest.mark.timeout(120)
 
 
+class _PendingRead:
+    """Stands for a read the progress thread checks and finds unfinished."""
+
+    def _check(self) -> bool:
+        return False
+
+
 def test_the_progress_thread_polls_slowly_only_when_nothing_can_happen() -> None:
     require_backend("nixl")
     from kvrelay.kv_transfer.transport import nixl
@@ -28,8 +35,15 @@ def test_the_progress_thread_polls_slowly_only_when_nothing_can_happen() -> None
         assert p._pace() == fast
         d.expect_remote_access(False)
         d._busy_until = time.monotonic() - 1
-        handle = d.read_blocks("engine-p", [0, 1], [0, 1], b"paced:1")  # one of D's own in flight
-        assert not d._in_flight or d._pace() == fast
+        assert d._pace() == idle
+        pending = _PendingRead()  # one of D's own reads in flight, for as long as the test says
+        with d.lock:
+            d._in_flight.add(pending)
+        assert d._pace() == fast
+        with d.lock:
+            d._in_flight.discard(pending)
+        assert d._pace() == idle
+        handle = d.read_blocks("engine-p", [0, 1], [0, 1], b"paced:1")  # a real one: idle again after
         deadline = time.monotonic() + 30
         while handle.poll().name == "PENDING" and time.monotonic() < deadline:
             time.sleep(0.001)
