@@ -45,11 +45,11 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_offline.py
 
-# P/D (kvrelay up, 1P1D) against one instance with the same threads; writes docs/bench_serving.png.
+# P/D (kvrelay up, 1P1D) against one instance with the same threads; writes docs/benchmarks/bench_serving.png.
 bench-serving: install
 	$(PY) -m pip install -q 'matplotlib>=3.8'
 	$(PY) benchmarks/bench_serving.py --compare --rates 0.25,0.5,1 --num-requests 8 --max-tokens 24 \
-		--long-words 150,300 --plot docs/bench_serving.png
+		--long-words 150,300 --plot docs/benchmarks/bench_serving.png
 
 # vLLM's CPU build in a venv of its own (the `bench-vllm` extra of pyproject.toml; it must not
 # change the packages the test suite runs on), same torch as kvrelay's.

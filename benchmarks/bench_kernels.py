@@ -6,10 +6,10 @@ For each batch size, one engine decodes that many requests (256-token prompts) a
 steps alternate between the fast path and its plain-torch baseline, step by step, so both sides
 see the same machine state (on a shared VM, separate runs drift by 10% and more):
 
-  attention    kvrelay/model/paged_decode.c (blocks read in place) against the torch route
+  attention    kvrelay/kernels/paged_decode.c (blocks read in place) against the torch route
                (gather the blocks into a padded copy, then batched matmuls);
-  linear       kvrelay.model.layers.linear (kvrelay/model/linear.c for 1-512 rows) against F.linear;
-  elementwise  kvrelay/model/elementwise.c (add + RMSNorm, SiLU-mul, rotary, KV write) against
+  linear       kvrelay.model.layers.linear (kvrelay/kernels/linear.c for 1-512 rows) against F.linear;
+  elementwise  kvrelay/kernels/elementwise.c (add + RMSNorm, SiLU-mul, rotary, KV write) against
                the torch operators;
   all          every native path at once (KVRELAY_NATIVE_KERNELS=1) against none (=0).
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_offline import decoding_engine, stop_all  # noqa: E402
 from hostinfo import cpu_summary  # noqa: E402
 
-import kvrelay.model.attention as attention  # noqa: E402
+import kvrelay.attention.layer as attention  # noqa: E402
+import kvrelay.kernels.native as native  # noqa: E402
 import kvrelay.model.layers as layers  # noqa: E402
-import kvrelay.model.native as native  # noqa: E402
 
 
 def set_attention(fast: bool) -> None:

@@ -40,16 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_transfer  # noqa: E402
 from hostinfo import cpu_summary  # noqa: E402
 
+from kvrelay.attention.forward_context import ForwardContext, set_forward_context  # noqa: E402
+from kvrelay.attention.kv_format import KVFormat, kv_format, quantize_kv  # noqa: E402
+from kvrelay.attention.layer import build_attention_metadata  # noqa: E402
 from kvrelay.engine.llm import LLM  # noqa: E402
+from kvrelay.kernels.native import paged_decode_kernel  # noqa: E402
 from kvrelay.kv_transfer.transport import nixl_available  # noqa: E402
-from kvrelay.model.attention import build_attention_metadata  # noqa: E402
-from kvrelay.model.kv_format import KVFormat, kv_format, quantize_kv  # noqa: E402
 from kvrelay.model.llama import CausalLM, build_model  # noqa: E402
 from kvrelay.model.loader import load_model  # noqa: E402
-from kvrelay.model.native import paged_decode_kernel  # noqa: E402
 from kvrelay.sampling_params import SamplingParams  # noqa: E402
 from kvrelay.utils import cdiv  # noqa: E402
-from kvrelay.worker.forward_context import ForwardContext, set_forward_context  # noqa: E402
 from kvrelay.worker.kv_calibration import calibrate_kv_scales  # noqa: E402
 
 FORMATS = ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]

@@ -24,7 +24,7 @@ In one run, with a real redis-server on a free loopback port (from PATH):
               (~40 chunks/s, more than ten times what this instance can compute).
 
     .venv/bin/python benchmarks/bench_offload.py [--lengths 2048 3280 4096] [--decode-tokens 48]
-        [--plot docs/bench_offload.png]
+        [--plot docs/benchmarks/bench_offload.png]
 
 Timings on a shared machine vary with its load: the table prints what this run measured.
 """
@@ -50,7 +50,7 @@ from hostinfo import cpu_summary  # benchmarks/hostinfo.py
 from mooncake_bench import MooncakeStoreForBench, mooncake_loads  # benchmarks/mooncake_bench.py
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.kv_transfer.connectors.offload_meta import ChunkSave
+from kvrelay.kv_transfer.offload.meta import ChunkSave
 
 CHUNK_TOKENS = 256
 
@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--parts", nargs="+", choices=["ttft", "store", "itl"],
                         default=["ttft", "store", "itl"])
-    parser.add_argument("--plot", type=Path, default=Path("docs/bench_offload.png"),
+    parser.add_argument("--plot", type=Path, default=Path("docs/benchmarks/bench_offload.png"),
                         help="where the TTFT / ITL plot goes (written when the ttft part ran)")
     args = parser.parse_args()
     torch.manual_seed(0)

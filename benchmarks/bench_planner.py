@@ -331,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration-requests", type=int, default=4)
     p.add_argument("--fit-scale", action="store_true",
                    help="also fit a step-time scale from the idle requests (off by default: on the quiet "
-                        "machine it made the predictions worse, see docs/planning.md)")
+                        "machine it made the predictions worse, see docs/benchmarks/planner.md)")
     p.add_argument("--predict-only", action="store_true", help="no servers: print the predictions only")
     p.add_argument("--replay", default=None,
                    help="no servers: predict against the measurement in an earlier run's --json-out "

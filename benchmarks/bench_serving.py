@@ -6,7 +6,7 @@
     # P/D (kvrelay up, 1P1D) against one `kvrelay serve` with the same total threads, started
     # and stopped by the benchmark itself, one after the other; a table per rate and a PNG
     .venv/bin/python benchmarks/bench_serving.py --compare --rates 0.25,0.5,1 --num-requests 16 \
-        --plot docs/bench_serving.png
+        --plot docs/benchmarks/bench_serving.png
 
 Requests arrive as a Poisson process at each rate (exponential gaps, fixed seed), whether or
 not earlier ones have finished (open loop). The workload is a fixed-seed mix of long and short
@@ -282,7 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="256MiB", help="--compare: KV cache per instance")
     p.add_argument("--json-out", default=None, help="write the summaries as JSON here")
     p.add_argument("--plot", default=None,
-                   help="--compare: also write the PNG here (e.g. docs/bench_serving.png)")
+                   help="--compare: also write the PNG here (e.g. docs/benchmarks/bench_serving.png)")
     args = p.parse_args(argv)
     args.rates = [args.rate] if args.rate is not None else [float(r) for r in args.rates.split(",") if r]
     if not args.rates or min(args.rates) <= 0:

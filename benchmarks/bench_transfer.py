@@ -26,7 +26,7 @@ With --ttft it also times the first token of 1024- and 4096-token prompts throug
 (1P1D) against one `kvrelay serve` with the same total threads (see transfer_ttft.py).
 
     .venv/bin/python benchmarks/bench_transfer.py [--tokens 512 2048 8192] [--block-sizes 16 64] \
-        [--ttft] [--plot docs/bench_transfer.png]
+        [--ttft] [--plot docs/benchmarks/bench_transfer.png]
     .venv/bin/python benchmarks/bench_transfer.py --quick --ttft      # a couple of minutes
 """
 
@@ -57,11 +57,11 @@ from kvrelay.engine.llm_engine import IDLE_STEP_SLEEP_S
 from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.base import KVCacheSpec
 from kvrelay.kv_transfer.config import KVTransferConfig
-from kvrelay.kv_transfer.connectors import security
-from kvrelay.kv_transfer.connectors.nixl import NixlConfig
-from kvrelay.kv_transfer.connectors.nixl_meta import LeaseSpec, NixlConnectorMetadata, PullSpec
-from kvrelay.kv_transfer.connectors.nixl_scheduler import make_lease_id
-from kvrelay.kv_transfer.connectors.nixl_worker import NixlWorker
+from kvrelay.kv_transfer.p2p import security
+from kvrelay.kv_transfer.p2p.lease_ids import make_lease_id
+from kvrelay.kv_transfer.pull.connector import NixlConfig
+from kvrelay.kv_transfer.pull.meta import LeaseSpec, NixlConnectorMetadata, PullSpec
+from kvrelay.kv_transfer.pull.worker import NixlWorker
 from kvrelay.kv_transfer.transport import TransferState, create_transport, nixl_available
 from kvrelay.kv_transfer.transport.base import describe_kv_caches
 from kvrelay.utils import cdiv
@@ -494,7 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--ttft: total torch threads of each target (default: every core)")
     parser.add_argument("--mooncake-only", action="store_true",
                         help="only the interleaved mooncake / raw Transfer Engine table")
-    parser.add_argument("--plot", type=Path, default=Path("docs/bench_transfer.png"),
+    parser.add_argument("--plot", type=Path, default=Path("docs/benchmarks/bench_transfer.png"),
                         help="where the throughput plot goes")
     args = parser.parse_args(argv)
     if args.quick:

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from hostinfo import cpu_summary  # noqa: E402
 
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from kvrelay.disagg.planner.profiler import StepTimer  # noqa: E402
+from kvrelay.disagg.planner.step_timer import StepTimer  # noqa: E402
 from kvrelay.engine.llm_engine import LLMEngine  # noqa: E402
 from kvrelay.sampling_params import SamplingParams  # noqa: E402
 

@@ -74,7 +74,7 @@ def fma_peak(threads: int, reps: int = 7) -> float | None:
     with tempfile.TemporaryDirectory() as tmp:
         lib = Path(tmp) / "fma_peak.so"
         command = [*shlex.split(os.environ.get("CC") or "cc"), "-O3", "-march=native", "-fopenmp",
-                   "-shared", "-fPIC", f"-I{here.parent / 'kvrelay' / 'model'}", str(here / "fma_peak.c"),
+                   "-shared", "-fPIC", f"-I{here.parent / 'kvrelay' / 'kernels'}", str(here / "fma_peak.c"),
                    "-o", str(lib)]
         try:
             subprocess.run(command, check=True, capture_output=True)

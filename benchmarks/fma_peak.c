@@ -4,7 +4,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "simd.h" /* kvrelay/model/simd.h: vf as wide as the target's registers, KEEP_IN_REGISTER */
+#include "simd.h" /* kvrelay/kernels/simd.h: vf as wide as the target's registers, KEEP_IN_REGISTER */
 
 #define STEP(a) a = a * m + c;
 

@@ -3,7 +3,7 @@
     cpu: AMD EPYC, 2 cores, sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16; torch: AVX512;
     native kernels: paged_decode, linear, elementwise (target native, 16-float vectors)
 
-The kernel part says which build of kvrelay/model/native.py the run used (KVRELAY_NATIVE_ARCH
+The kernel part says which build of kvrelay/kernels/native.py the run used (KVRELAY_NATIVE_ARCH
 picks it), so a table from an AVX2-only machine, or with the AVX2 build forced, reads as such.
 To stand in for an AVX2-only CPU on an AVX-512 one, lower torch and MKL too:
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 KVRELAY_NATIVE_ARCH=haswell python benchmarks/...
@@ -41,7 +41,7 @@ def cpu_summary() -> str:
     (built here if need be)."""
     import torch  # only when a table is printed
 
-    from kvrelay.model import native
+    from kvrelay.kernels import native
 
     info = _cpuinfo()
     model = info.get("model name") or platform.processor() or platform.machine()

@@ -84,7 +84,7 @@ class MooncakeStoreForBench:
              "--enable_metric_reporting=false"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_listening()
         from kvrelay.kv_transfer.offload import OffloadStats
-        from kvrelay.kv_transfer.offload.mooncake_store import MooncakeStoreTier
+        from kvrelay.kv_transfer.offload.tiers.mooncake_store import MooncakeStoreTier
 
         self.holder = MooncakeStoreTier(f"mooncakestore://127.0.0.1:{self.port}?segment={segment}",
                                         OffloadStats())

@@ -88,7 +88,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact block count instead of a byte budget
     # What the KV cache stores (vLLM's `--kv-cache-dtype`): "auto" (the model's dtype), float32,
-    # bfloat16, float16, fp8_e4m3, fp8_e5m2; see kvrelay/model/kv_format.py.
+    # bfloat16, float16, fp8_e4m3, fp8_e5m2; see kvrelay/attention/kv_format.py.
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

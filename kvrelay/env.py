@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 _DEFAULT_CACHE_DIR = "~/.cache/kvrelay"
-NATIVE_ARCHS = ("native", "haswell", "generic")  # see kvrelay/model/native.py
+NATIVE_ARCHS = ("native", "haswell", "generic")  # see kvrelay/kernels/native.py
 
 
 def cache_dir() -> Path:

@@ -21,7 +21,7 @@ class TokenLogprobs:
 
 @dataclass
 class KVConnectorOutput:
-    """Worker-side connector results for one step (see DESIGN.md section 4)."""
+    """Worker-side connector results for one step (see docs/architecture.md, "The KV connector contract")."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)

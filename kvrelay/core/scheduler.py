@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.kv_cache_manager import KVCacheManager
-from kvrelay.core.null_connector import NULL_SCHEDULER_CONNECTOR
 from kvrelay.core.remote_kv import RemoteKVTracker
 from kvrelay.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvrelay.core.stats import SchedulerStats
+from kvrelay.kv_transfer.protocols import NULL_SCHEDULER_CONNECTOR
 from kvrelay.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from kvrelay.request import Request, RequestStatus
 

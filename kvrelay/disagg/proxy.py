@@ -1,4 +1,4 @@
-"""The P/D proxy: one client request becomes a prefill leg and a decode leg (DESIGN.md section 5).
+"""The P/D proxy: one client request becomes a prefill leg and a decode leg (docs/disaggregation.md).
 
     client ──POST /v1/chat/completions──> proxy
       1. prefill leg -> least-loaded P: the body with max_tokens=1, stream=false and

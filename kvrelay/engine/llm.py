@@ -20,7 +20,7 @@ class LLM:
     LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", kv_cache_dtype="auto",
         max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0,
         kv_transfer_config=None, tensor_parallel_size=1, distributed_executor_backend=None)
-    `kv_cache_dtype`: what the KV cache stores, independent of `dtype` (kvrelay/model/kv_format.py).
+    `kv_cache_dtype`: what the KV cache stores, independent of `dtype` (kvrelay/attention/kv_format.py).
     `model=None` is the embedded SmolLM2-135M-Instruct.
     """
 

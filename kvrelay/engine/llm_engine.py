@@ -11,7 +11,6 @@ import torch
 
 from kvrelay.config import EngineConfig
 from kvrelay.core.scheduler import Scheduler
-from kvrelay.engine.kv_setup import build_kv_setup
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.executor import create_executor
@@ -22,6 +21,7 @@ from kvrelay.model.sharding import check_tensor_parallel, shard_layout, shard_sp
 from kvrelay.outputs import RequestOutput
 from kvrelay.request import Request, RequestStatus
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.worker.kv_setup import build_kv_setup
 from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 from kvrelay.worker.worker import WorkerPlan, kv_cache_spec
 

@@ -212,7 +212,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-# Known kv_transfer_params keys (DESIGN.md section 5) and their types; other keys pass through.
+# Known kv_transfer_params keys and their types (docs/disaggregation.md, "What P offers and what D
+# reads"); other keys pass through.
 _KV_PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "do_remote_decode": (bool,), "do_remote_prefill": (bool,), "remote_engine_id": (str,),
     "remote_request_id": (str,), "remote_host": (str,), "remote_port": (int,), "tp_size": (int,),

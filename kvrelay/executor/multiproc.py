@@ -28,10 +28,10 @@ from kvrelay.executor.serial import (
     decode_runner_output,
     encode_scheduler_output,
 )
+from kvrelay.executor.worker_proc import WorkerProcessArgs, run_worker_process
 from kvrelay.kv_transfer.aggregator import KVOutputAggregator
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.worker.worker import WorkerPlan
-from kvrelay.worker.worker_loop import WorkerProcessArgs, run_worker_process
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import msgspec
 
@@ -65,11 +65,18 @@ if TYPE_CHECKING:
     from kvrelay.config import EngineConfig
     from kvrelay.core.sched_output import SchedulerOutput
     from kvrelay.request import Request
-    from kvrelay.worker.forward_context import ForwardContext
 
 LAYER_NAME_FORMAT = "model.layers.{i}.self_attn.attn"
 
 _DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+class ForwardContextView(Protocol):
+    """What the worker side is handed by start_load_kv: the step's forward context
+    (kvrelay.attention.forward_context.ForwardContext), read-only."""
+
+    @property
+    def attn_metadata(self) -> dict[str, Any]: ...
 
 
 class KVConnectorRole(enum.Enum):
@@ -289,7 +296,7 @@ class KVConnectorBase(ABC):
         return self._connector_metadata
 
     @abstractmethod
-    def start_load_kv(self, forward_context: ForwardContext) -> None:
+    def start_load_kv(self, forward_context: ForwardContextView) -> None:
         """Start the loads in the bound metadata, before the forward pass.
 
         Synchronous loads may complete here; asynchronous ones may return before they finish

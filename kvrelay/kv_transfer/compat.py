@@ -19,9 +19,9 @@ from typing import Any
 COMPAT_FIELDS = ("model", "kv_cache_dtype", "kv_scales", "layout", "block_size", "head_size",
                  "num_kv_heads", "tp_mapping")
 
-# How ranks hold KV heads (DESIGN.md, tensor parallelism): the same rule for every TP size, so
+# How ranks hold KV heads (docs/disaggregation.md, "Tensor parallelism"): the same rule for every TP size, so
 # instances of different TP sizes stay compatible; the sizes themselves are negotiated per transfer
-# (a pull, or a push: nixl_tp.py).
+# (a pull, or a push: p2p/tp_plan.py).
 TP_MAPPING = "kv-heads-contiguous-split-or-replicated-v1"
 
 

@@ -16,10 +16,8 @@ from kvrelay.kv_transfer.config import KVTransferConfig
 if TYPE_CHECKING:
     from kvrelay.config import EngineConfig
 
-_CONNECTORS_PACKAGE = "kvrelay.kv_transfer.connectors"
-
-# NOTE: the registry itself is the module's only mutable state; built-ins are added below and
-# register_connector adds more. "NixlConnector" and "OffloadConnector" join when they exist.
+# NOTE: the registry itself is the module's only mutable state; the built-in connectors are
+# added below and register_connector adds more.
 _registry: dict[str, tuple[str, str]] = {}
 
 
@@ -75,9 +73,10 @@ def create_connector(config: EngineConfig, role: KVConnectorRole, kv_spec: KVCac
     return cls(config, role, kv_spec)
 
 
-register_connector("ExampleConnector", f"{_CONNECTORS_PACKAGE}.example", "ExampleConnector")
-register_connector("SharedStorageConnector", f"{_CONNECTORS_PACKAGE}.example", "ExampleConnector")
-register_connector("MultiConnector", f"{_CONNECTORS_PACKAGE}.multi", "MultiConnector")
-register_connector("NixlConnector", f"{_CONNECTORS_PACKAGE}.nixl", "NixlConnector")
-register_connector("NixlPushConnector", f"{_CONNECTORS_PACKAGE}.nixl_push", "NixlPushConnector")
-register_connector("OffloadConnector", f"{_CONNECTORS_PACKAGE}.offload", "OffloadConnector")
+_KV = "kvrelay.kv_transfer"
+register_connector("NixlConnector", f"{_KV}.pull.connector", "NixlConnector")
+register_connector("NixlPushConnector", f"{_KV}.push.connector", "NixlPushConnector")
+register_connector("OffloadConnector", f"{_KV}.offload.connector", "OffloadConnector")
+register_connector("ExampleConnector", f"{_KV}.reference.example", "ExampleConnector")
+register_connector("SharedStorageConnector", f"{_KV}.reference.example", "ExampleConnector")
+register_connector("MultiConnector", f"{_KV}.reference.multi", "MultiConnector")

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.attention.forward_context import get_forward_context
+from kvrelay.attention.kv_format import KVFormat, kv_format
+from kvrelay.attention.layer import AttentionMetadata
 from kvrelay.distributed.parallel_state import TensorParallelGroup
-from kvrelay.model.attention import AttentionMetadata
-from kvrelay.model.kv_format import KVFormat, kv_format
 from kvrelay.model.layers import RMSNorm
 from kvrelay.model.spec import ModelSpec
-from kvrelay.worker.forward_context import get_forward_context
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +46,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class MLAAttention(nn.Module):
-    """Attention over the latent cache; the connector hooks as in kvrelay/model/attention.py."""
+    """Attention over the latent cache; the connector hooks as in kvrelay/attention/layer.py."""
 
     def __init__(self, layer_name: str, spec: ModelSpec, kv_b_proj: nn.Linear, scale: float) -> None:
         super().__init__()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.model.native import elementwise_kernels, linear_kernel
+from kvrelay.kernels.native import elementwise_kernels, linear_kernel
 
 
 class RMSNorm(nn.Module):

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from kvrelay.attention.layer import Attention
 from kvrelay.distributed.parallel_state import TensorParallelGroup
-from kvrelay.model.attention import Attention
 from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary_, linear
 from kvrelay.model.sharding import shard_layout, shard_spec, shard_weights
 from kvrelay.model.spec import ModelSpec

@@ -20,11 +20,11 @@ import hashlib
 
 import torch
 
-from kvrelay.model.attention import build_attention_metadata
-from kvrelay.model.kv_format import KVFormat
+from kvrelay.attention.forward_context import ForwardContext, set_forward_context
+from kvrelay.attention.kv_format import KVFormat
+from kvrelay.attention.layer import build_attention_metadata
 from kvrelay.model.llama import CausalLM
 from kvrelay.utils import cdiv
-from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 
 CALIBRATION_TOKENS = 256
 HEADROOM = 1.25  # the calibration sequence's largest K/V value maps to at most max / 1.25

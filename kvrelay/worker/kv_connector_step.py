@@ -1,11 +1,11 @@
-"""The worker-side connector around one step, as one context manager, and its null object.
+"""The worker-side connector around one step, as one context manager.
 
     with kv_connector_step(connector, sched_out) as step:
         ... forward pass (start_load_kv, layer hooks, wait_for_save), sampling ...
     step.output  # the connector's KVConnectorOutput for this step (None for the null connector)
 
 Every step runs the same calls whether a connector is configured or not: without one the
-runner holds `NULL_WORKER_CONNECTOR`, whose calls do nothing.
+runner holds `NULL_WORKER_CONNECTOR` (kvrelay/kv_transfer/protocols.py), whose calls do nothing.
 """
 
 from __future__ import annotations
@@ -13,71 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from kvrelay.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
-    import torch
-
     from kvrelay.core.sched_output import SchedulerOutput
-    from kvrelay.worker.forward_context import ForwardContext
+    from kvrelay.kv_transfer.protocols import WorkerConnector
 
-
-class WorkerConnector(Protocol):
-    """What the model runner calls on the worker-side connector (see kvrelay.kv_transfer.base)."""
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None: ...
-
-    def bind_connector_metadata(self, metadata: Any) -> None: ...
-
-    def clear_connector_metadata(self) -> None: ...
-
-    def start_load_kv(self, forward_context: ForwardContext) -> None: ...
-
-    def wait_for_layer_load(self, layer_name: str) -> None: ...
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None: ...
-
-    def wait_for_save(self) -> None: ...
-
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None: ...
-
-    def shutdown(self) -> None: ...
-
-
-class NullWorkerConnector:
-    """The worker-side connector of an instance without KV transfer: every call does nothing."""
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        return None
-
-    def bind_connector_metadata(self, metadata: Any) -> None:
-        return None
-
-    def clear_connector_metadata(self) -> None:
-        return None
-
-    def start_load_kv(self, forward_context: ForwardContext) -> None:
-        return None
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-
-NULL_WORKER_CONNECTOR = NullWorkerConnector()
 
 
 @dataclass

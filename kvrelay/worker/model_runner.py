@@ -15,18 +15,19 @@ from typing import Any
 
 import torch
 
+from kvrelay.attention.forward_context import ForwardContext, set_forward_context
+from kvrelay.attention.kv_format import kv_dtype_names, kv_format
+from kvrelay.attention.layer import build_attention_metadata
 from kvrelay.core.sched_output import SchedulerOutput
-from kvrelay.model.attention import build_attention_metadata
-from kvrelay.model.kv_format import kv_dtype_names, kv_format
+from kvrelay.kernels.native import log_active_kernels
+from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, WorkerConnector
 from kvrelay.model.llama import CausalLM
-from kvrelay.model.native import log_active_kernels
 from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.utils import cdiv
-from kvrelay.worker.forward_context import ForwardContext, set_forward_context
-from kvrelay.worker.kv_connector_step import NULL_WORKER_CONNECTOR, WorkerConnector, kv_connector_step
+from kvrelay.worker.kv_connector_step import kv_connector_step
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -62,7 +63,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...] = (),
                  connector: WorkerConnector = NULL_WORKER_CONNECTOR,
                  kv_scales: torch.Tensor | None = None) -> None:
-        """`dtype`: the KV cache format (kvrelay/model/kv_format.py: float32, bfloat16, float16,
+        """`dtype`: the KV cache format (kvrelay/attention/kv_format.py: float32, bfloat16, float16,
         fp8_e4m3, fp8_e5m2), whatever the weights' dtype; fp8 needs `kv_scales` [num_layers, 2,
         num_kv_heads] of this rank's KV heads (kvrelay/worker/kv_calibration.py)."""
         self.model = model

@@ -1,7 +1,7 @@
 """One rank: its share of the model, its KV shard, its worker-side connector, its model runner.
 
 The same Worker runs in the engine's process (executor `uni`) or in a process of its own
-(executor `mp`, see kvrelay.worker.worker_loop).
+(executor `mp`, see kvrelay.executor.worker_proc).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from kvrelay.config import EngineConfig
 from kvrelay.core.sched_output import SchedulerOutput
 from kvrelay.distributed.parallel_state import TensorParallelGroup
-from kvrelay.engine.kv_setup import KVSetup
+from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, WorkerConnector
 from kvrelay.model.llama import build_model
 from kvrelay.model.sharding import shard_layout
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
-from kvrelay.worker.kv_connector_step import NULL_WORKER_CONNECTOR, WorkerConnector
+from kvrelay.worker.kv_setup import KVSetup
 from kvrelay.worker.model_runner import ModelRunner, torch_dtype
 
 logger = logging.getLogger(__name__)

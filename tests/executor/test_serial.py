@@ -16,7 +16,7 @@ from kvrelay.executor.serial import (
     encode_runner_output,
     encode_scheduler_output,
 )
-from kvrelay.kv_transfer.connectors.example import ExampleConnectorMetadata, LoadSpec, SaveSpec
+from kvrelay.kv_transfer.reference.example import ExampleConnectorMetadata, LoadSpec, SaveSpec
 from kvrelay.outputs import KVConnectorOutput, ModelRunnerOutput, TokenLogprobs
 from kvrelay.sampling_params import SamplingParams
 

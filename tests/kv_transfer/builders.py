@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
+from kvrelay.attention.forward_context import ForwardContext, set_forward_context
 from kvrelay.config import CacheConfig, EngineConfig
 from kvrelay.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvrelay.kv_transfer import KVCacheSpec, KVConnectorBase, KVConnectorMetadata, KVTransferConfig
 from kvrelay.outputs import KVConnectorOutput
 from kvrelay.request import Request
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16

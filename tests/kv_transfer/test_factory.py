@@ -6,7 +6,7 @@ import uuid
 import pytest
 
 from kvrelay.kv_transfer import KVConnectorRole, create_connector, factory, register_connector
-from kvrelay.kv_transfer.connectors.example import ExampleConnector
+from kvrelay.kv_transfer.reference.example import ExampleConnector
 from tests.kv_transfer.builders import engine_config, kv_spec
 from tests.kv_transfer.fake_connector import FakeConnector, fake_transfer_config
 

@@ -4,11 +4,11 @@ import msgspec
 import pytest
 
 from kvrelay.kv_transfer import KVConnectorMetadata, KVConnectorRole, create_connector
-from kvrelay.kv_transfer.connectors.example import ExampleConnectorMetadata, LoadSpec, SaveSpec
-from kvrelay.kv_transfer.connectors.multi import MultiConnectorMetadata
+from kvrelay.kv_transfer.reference.example import ExampleConnectorMetadata, LoadSpec, SaveSpec
+from kvrelay.kv_transfer.reference.multi import MultiConnectorMetadata
 from tests.kv_transfer.builders import engine_config, kv_spec, new_req, prefill, request, sched_output
 from tests.kv_transfer.fake_connector import FakeConnectorMetadata, FakeLoad, fake_transfer_config
-from tests.kv_transfer.test_example_connector import PROMPT, save_prompt
+from tests.kv_transfer.reference.test_example_connector import PROMPT, save_prompt
 
 
 def round_trip(meta: KVConnectorMetadata) -> KVConnectorMetadata:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvrelay.attention.forward_context import ForwardContext, set_forward_context
+from kvrelay.attention.layer import build_attention_metadata
 from kvrelay.engine.llm import LLM
-from kvrelay.model.attention import build_attention_metadata
 from kvrelay.model.llama import build_model
 from kvrelay.model.spec import ModelSpec
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.worker.forward_context import ForwardContext, set_forward_context
 from tests.tiny import hf_greedy
 from tests.tiny_mla import mla_config, mla_hf_model, tiny_mla_model
 

@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model import layers, native
+from kvrelay.kernels import native
+from kvrelay.model import layers
 from kvrelay.model.layers import Linear, linear
-from tests.model.kernels import require_kernel
+from tests.kernels.builds import require_kernel
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 64, 200])

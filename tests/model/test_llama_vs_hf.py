@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.model import native
+from kvrelay.kernels import native
 from kvrelay.model.llama import build_model
 from kvrelay.model.spec import ModelSpec
-from tests.model.kernels import require_kernel
+from tests.kernels.builds import require_kernel
 from tests.model.tiny import FAMILIES, PagedDriver, build_from_hf, hf_logits, hf_tiny_model
 
 pytest.importorskip("transformers")

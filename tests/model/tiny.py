@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from kvrelay.model.attention import build_attention_metadata
+from kvrelay.attention.forward_context import ForwardContext, set_forward_context
+from kvrelay.attention.layer import build_attention_metadata
+from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, LayerHooks
 from kvrelay.model.llama import CausalLM, build_model
 from kvrelay.model.spec import ModelSpec
-from kvrelay.worker.forward_context import NO_CONNECTOR, ForwardContext, WorkerLayerHooks, set_forward_context
 
 VOCAB = 128
 LLAMA3_ROPE = {
@@ -111,7 +112,7 @@ class PagedDriver:
         return seq
 
     def step(
-        self, work: list[tuple[str, int]], connector: WorkerLayerHooks = NO_CONNECTOR
+        self, work: list[tuple[str, int]], connector: LayerHooks = NULL_WORKER_CONNECTOR
     ) -> list[torch.Tensor]:
         """Compute `num_tokens` more tokens of each listed sequence in ONE flat batch.
         Returns each sequence's logits for the tokens computed, [num_tokens, vocab]."""

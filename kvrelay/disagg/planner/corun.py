@@ -3,7 +3,7 @@
 `kvrelay up` runs its P and D instances side by side, each on its share of the cores. They do
 not take each other's cores, but they share the last-level cache and the memory bandwidth, and a
 profile taken alone cannot see what that costs. On the 2-core AMD VM it turned out small
-(1.00-1.07 in two runs, docs/planning.md); timing the alone steps first and the crowded ones
+(1.00-1.07 in two runs, docs/benchmarks/planner.md); timing the alone steps first and the crowded ones
 after had said 1.02-1.15, which was the machine's speed drifting in between.
 
 `measure_co_run` times a few prefill cases with a neighbour process decoding (what a P instance
@@ -187,7 +187,7 @@ def neighbour_main(config: dict[str, Any]) -> None:
     import torch
 
     from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from kvrelay.disagg.planner.profiler import StepTimer
+    from kvrelay.disagg.planner.step_timer import StepTimer
     from kvrelay.engine.llm_engine import LLMEngine
 
     threading.Thread(target=_exit_when_parent_goes, daemon=True).start()

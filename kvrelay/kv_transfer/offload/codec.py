@@ -17,7 +17,7 @@ else is a ChunkError, which the store turns into a miss: recompute, never wrong 
 checksum is the sum (mod 2**64) of the payload's 64-bit words: one pass at memory speed, with
 the GIL released, where crc32 cost ~4 ms of a core per 12 MB chunk and slowed decoding. It
 detects accidents (bit rot, torn or short writes), not tampering; a store writable by an
-adversary needs the instance secret (see DESIGN.md 6).
+adversary needs the instance secret (see docs/connectors.md, "Security of the P/D path").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from kvrelay.kv_transfer.offload.base import Blob
+from kvrelay.kv_transfer.offload.tiers.base import Blob
 from kvrelay.utils import cdiv
 
 MAGIC = b"KVRC"

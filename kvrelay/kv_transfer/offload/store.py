@@ -21,13 +21,17 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvrelay.kv_transfer.offload.base import Blob, StorageTier, TierError
 from kvrelay.kv_transfer.offload.codec import ChunkError, decode_chunk
 from kvrelay.kv_transfer.offload.stats import OffloadStats
+from kvrelay.kv_transfer.offload.tiers import build_tiers
+from kvrelay.kv_transfer.offload.tiers.base import Blob, StorageTier, TierError
+
+if TYPE_CHECKING:
+    from kvrelay.kv_transfer.offload.config import OffloadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -182,3 +186,10 @@ class TieredStore:
         if now - self._last_log.get(topic, -_LOG_EVERY_SECONDS) >= _LOG_EVERY_SECONDS:
             self._last_log[topic] = now
             logger.warning(message, *args)
+
+
+def build_store(config: OffloadConfig, fingerprint: str, payload_bytes: int,
+                stats: OffloadStats, shard: str = "") -> TieredStore:
+    """The tiers `config` names, fastest first, inside one TieredStore."""
+    return TieredStore(build_tiers(config, stats), fingerprint, payload_bytes, stats,
+                       retry_seconds=config.retry_seconds, shard=shard)

@@ -1,7 +1,10 @@
-"""Transports under the pull connector: `create_transport` builds one by name.
+"""Transports: how KV bytes move between instances, behind one interface (base.py,
+`KVTransport`): nixl.py (NIXL over UCX), tcp/ (kvrelay's own sockets) and mooncake.py (the
+Mooncake Transfer Engine). The P2P connectors pick one by name with `create_transport`; a
+transport never imports a connector.
 
-Importing this package imports neither NIXL nor torch; `create_transport("nixl", ...)` imports
-NIXL only then.
+Importing this package imports neither NIXL, Mooncake nor torch; `create_transport("nixl", ...)`
+imports NIXL only then.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The transport interface under the pull connector: one-sided block reads with notifications.
+"""The transport interface: one-sided block reads (and writes) with notifications.
 
 A transport moves KV blocks from a remote instance's registered KV tensors into local ones.
 The side that owns the blocks (P) only registers memory and answers; the side that wants them

@@ -13,8 +13,8 @@ per (layer, block, range). Batches are cut at `max_batch_entries` (the engine re
 Reads run on one thread here (`batch_transfer_sync_read` releases the GIL), so `read_blocks`
 returns at once and the handle is polled. Once a read's bytes sit in D's blocks, D sends the
 notification to P over a kvrelay side channel (ZMQ, every message HMAC-signed with the
-transport key; see side_channel.py), not through Mooncake's own unauthenticated notifications:
-a forged "done" would let P reuse blocks D is still reading.
+transport key; see kvrelay/kv_transfer/side_channel.py), not through Mooncake's own
+unauthenticated notifications: a forged "done" would let P reuse blocks D is still reading.
 
 NOTE: like NIXL/UCX, the Transfer Engine does not authenticate its data port: whoever reaches
 it can read the registered KV. Bind it to loopback or a trusted network (kv_ip).
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from kvrelay.kv_transfer.connectors.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from kvrelay.kv_transfer.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 from kvrelay.kv_transfer.transport.base import (
     ByteRange,
     FinishedTransfer,

@@ -178,7 +178,7 @@ def test_concurrent_requests_sharing_a_prefix_store_each_chunk_once_and_agree(tm
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread priorities are a POSIX/Linux feature")
 def test_the_writer_competes_for_cpu_only_while_its_backlog_is_large():
-    from kvrelay.kv_transfer.connectors.offload_worker import _writer_idles
+    from kvrelay.kv_transfer.offload.worker import _writer_idles
 
     pool = 16  # idle-only until 8 chunks wait, then competing until at most 4 do
     assert [_writer_idles(True, backlog, pool) for backlog in (0, 7, 8, 15)] == [True, True, False, False]

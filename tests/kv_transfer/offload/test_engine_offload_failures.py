@@ -82,7 +82,7 @@ def test_a_corrupt_disk_chunk_is_a_checksum_miss_then_recomputed_and_stored_agai
     prompt = PROMPTS[0]  # 4 chunks
     generate(make_llm(config), [prompt])
     # Corrupt the third chunk: the first two still load, the rest is recomputed.
-    from kvrelay.kv_transfer.connectors.offload_meta import chunk_keys
+    from kvrelay.kv_transfer.offload.meta import chunk_keys
 
     llm = make_llm(config)
     fingerprint = llm.engine.kv_cache_spec().fingerprint_digest()
@@ -104,7 +104,7 @@ def test_a_corrupt_disk_chunk_is_a_checksum_miss_then_recomputed_and_stored_agai
 
 
 def test_a_corrupt_redis_value_is_a_checksum_miss(redis_server, redis_url):
-    from kvrelay.kv_transfer.offload.redis import KEY_PREFIX
+    from kvrelay.kv_transfer.offload.tiers.redis import KEY_PREFIX
 
     config = offload_config(remote_url=redis_url, **SYNC)
     prompt = PROMPTS[0]
@@ -122,7 +122,7 @@ def test_a_corrupt_redis_value_is_a_checksum_miss(redis_server, redis_url):
     assert stats["prompt_tokens_external"] == 0 and stats["kv_load_failures"] == 1
     assert stats["prompt_tokens_computed"] == len(prompt)
     counts = connector_stats(llm)
-    from kvrelay.kv_transfer.connectors.offload_worker import _CHUNKS_PER_READ
+    from kvrelay.kv_transfer.offload.worker import _CHUNKS_PER_READ
 
     # The first batched read finds its entries corrupt, and the load stops there.
     assert counts["offload_redis_corrupt"] == min(len(names), _CHUNKS_PER_READ)

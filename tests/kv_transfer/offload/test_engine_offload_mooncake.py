@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.kv_transfer.connectors.offload_meta import chunk_keys
+from kvrelay.kv_transfer.offload.meta import chunk_keys
 from tests.kv_transfer.offload.helpers import (
     CHUNK_TOKENS,
     assert_loaded_stored_prefixes,
@@ -82,7 +82,7 @@ def test_master_killed_mid_run_recomputes_keeps_serving_and_the_tier_recovers(mo
 
 def test_corrupt_objects_are_a_checksum_miss_then_recomputed_and_stored_again(mooncake_master):
     from kvrelay.kv_transfer.offload import OffloadStats
-    from kvrelay.kv_transfer.offload.mooncake_store import MooncakeStoreTier
+    from kvrelay.kv_transfer.offload.tiers.mooncake_store import MooncakeStoreTier
 
     config = _config(mooncake_master, **SYNC)
     prompt = PROMPTS[0]

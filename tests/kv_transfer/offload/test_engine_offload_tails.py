@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.kv_transfer.connectors.offload_meta import chunk_keys, prompt_keys
+from kvrelay.kv_transfer.offload.meta import chunk_keys, prompt_keys
 from tests.kv_transfer.offload.helpers import (
     BLOCK_SIZE,
     CHUNK_TOKENS,

@@ -13,13 +13,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _tier(url: str, stats: OffloadStats | None = None, ttl_seconds: float = 0):  # type: ignore[no-untyped-def]
-    from kvrelay.kv_transfer.offload.mooncake_store import MooncakeStoreTier
+    from kvrelay.kv_transfer.offload.tiers.mooncake_store import MooncakeStoreTier
 
     return MooncakeStoreTier(url, stats or OffloadStats(), ttl_seconds=ttl_seconds)
 
 
 def test_url_options_are_parsed_and_bad_ones_named():
-    from kvrelay.kv_transfer.offload.mooncake_store import parse_url
+    from kvrelay.kv_transfer.offload.tiers.mooncake_store import parse_url
 
     url = parse_url("mooncakestore://127.0.0.1:5000?segment=32MiB&buffer=4MiB&protocol=rdma&device=mlx5_0")
     assert (url.master, url.local_host, url.segment_bytes, url.buffer_bytes, url.protocol, url.device) == (

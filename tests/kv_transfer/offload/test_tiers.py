@@ -143,7 +143,7 @@ def test_disk_tier_full_disk_is_a_tier_error_and_leaves_no_temp_file(tmp_path, m
     import errno
 
     from kvrelay.kv_transfer.offload import TierError
-    from kvrelay.kv_transfer.offload import disk as disk_module
+    from kvrelay.kv_transfer.offload.tiers import disk as disk_module
 
     def no_space(*args: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -187,7 +187,7 @@ def test_store_keeps_a_private_copy_of_a_buffer_the_writer_reuses(tmp_path):
 
 
 def test_redis_tier_stores_raw_values_with_a_ttl(redis_url):
-    from kvrelay.kv_transfer.offload.redis import KEY_PREFIX, RedisTier
+    from kvrelay.kv_transfer.offload.tiers.redis import KEY_PREFIX, RedisTier
 
     tier = RedisTier(redis_url, OffloadStats(), ttl_seconds=60)
     tier.put([(key(1), blob(key(1)))])
@@ -201,7 +201,7 @@ def test_redis_tier_stores_raw_values_with_a_ttl(redis_url):
 
 
 def test_a_dead_redis_is_a_miss_and_is_skipped_until_retry_seconds_pass():
-    from kvrelay.kv_transfer.offload.redis import RedisTier
+    from kvrelay.kv_transfer.offload.tiers.redis import RedisTier
 
     stats = OffloadStats()
     with socket_closed_port() as port:
@@ -220,7 +220,7 @@ def test_redis_writes_wait_longer_than_lookups_before_calling_the_server_dead():
     import socket
     import time
 
-    from kvrelay.kv_transfer.offload.redis import RedisTier
+    from kvrelay.kv_transfer.offload.tiers.redis import RedisTier
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -86,7 +86,7 @@ def push_pair(request):
 @pytest.fixture
 def tcp_push_pair():
     """Only the TCP receiver sees a write (NIXL's and Mooncake's are one-sided: the push lease
-    guards those blocks, see nixl_push_receiver.py)."""
+    guards those blocks, see push/receiver.py)."""
     yield from make_push_pair("tcp")
 
 

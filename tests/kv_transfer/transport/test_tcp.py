@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from kvrelay.kv_transfer.transport import TransferState, create_transport, tcp
-from kvrelay.kv_transfer.transport.tcp import _HELLO, _READ, _STATUS, _paired_runs, _runs
+from kvrelay.kv_transfer.transport import TransferState, create_transport
+from kvrelay.kv_transfer.transport.tcp import wire
+from kvrelay.kv_transfer.transport.tcp.wire import HELLO, READ, STATUS, paired_runs, runs
 from tests.kv_transfer.transport.helpers import (
     NUM_BLOCKS,
     collect_notifications,
@@ -41,13 +42,13 @@ class FakeOwner:
     def _serve(self) -> None:
         sock, _ = self.listener.accept()
         with sock:
-            sock.sendall(_HELLO.pack(b"KVR1", False, bytes(16)))
-            _, num_ids, notification_len = _READ.unpack(sock.recv(_READ.size, socket.MSG_WAITALL))
+            sock.sendall(HELLO.pack(b"KVR1", False, bytes(16)))
+            _, num_ids, notification_len = READ.unpack(sock.recv(READ.size, socket.MSG_WAITALL))
             sock.recv(4 * num_ids + notification_len, socket.MSG_WAITALL)
             if self.behaviour == "huge error":
-                sock.sendall(_STATUS.pack(1, 1 << 30))  # announces a 1 GiB reason
+                sock.sendall(STATUS.pack(1, 1 << 30))  # announces a 1 GiB reason
             else:
-                sock.sendall(_STATUS.pack(0, 0) + bytes(100))  # far less than a block
+                sock.sendall(STATUS.pack(0, 0) + bytes(100))  # far less than a block
             if self.behaviour == "stall":
                 self.done.wait(30)
         self.listener.close()
@@ -180,10 +181,10 @@ def test_a_request_sent_early_on_a_connection_p_has_closed_is_asked_again_on_a_f
 
 
 def test_adjacent_blocks_become_one_slice():
-    assert _runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
+    assert runs([3, 4, 5, 9, 10, 2]) == [(3, 3), (9, 2), (2, 1)]
     # local 0,1,2 pair with remote 3,4,5 (one slice); local 7 with remote 6 breaks the local run
-    assert _paired_runs([0, 1, 2, 7, 8], [3, 4, 5, 6, 7]) == [(0, 3), (7, 2)]
-    assert _paired_runs([0, 1], [5, 4]) == [(0, 1), (1, 1)]
+    assert paired_runs([0, 1, 2, 7, 8], [3, 4, 5, 6, 7]) == [(0, 3), (7, 2)]
+    assert paired_runs([0, 1], [5, 4]) == [(0, 1), (1, 1)]
 
 
 def serve_then_wait(conn) -> None:
@@ -268,21 +269,21 @@ SIZES = [5, 0, 13, 1, 8, 0, 21, 3]  # empty slices included: they must not stall
 
 @pytest.mark.parametrize("step", [1, 4, 7, 1000])
 def test_vectored_send_survives_partial_sends_and_keeps_the_byte_order(monkeypatch, step):
-    monkeypatch.setattr(tcp, "_IOV_MAX", 3)
+    monkeypatch.setattr(wire, "IOV_MAX", 3)
     payload = bytearray(range(sum(SIZES)))
     sock = TrickleSocket(step)
-    tcp._send_views(sock, split_views(payload, SIZES))  # type: ignore[arg-type]
+    wire.send_views(sock, split_views(payload, SIZES))  # type: ignore[arg-type]
     assert bytes(sock.sent) == bytes(payload)
     assert max(sock.buffers_per_call) <= 3
 
 
 @pytest.mark.parametrize("step", [1, 4, 7, 1000])
 def test_vectored_receive_survives_partial_reads_and_fills_every_view(monkeypatch, step):
-    monkeypatch.setattr(tcp, "_IOV_MAX", 3)
+    monkeypatch.setattr(wire, "IOV_MAX", 3)
     payload = bytes(range(sum(SIZES)))
     target = bytearray(len(payload))
     sock = TrickleSocket(step, payload)
-    tcp._recv_views(sock, split_views(target, SIZES))  # type: ignore[arg-type]
+    wire.recv_views(sock, split_views(target, SIZES))  # type: ignore[arg-type]
     assert bytes(target) == payload
     assert max(sock.buffers_per_call) <= 3
 
@@ -290,16 +291,16 @@ def test_vectored_receive_survives_partial_reads_and_fills_every_view(monkeypatc
 def test_vectored_receive_from_a_peer_that_closes_early_says_how_far_it_got():
     sock = TrickleSocket(4, bytes(10))  # 10 of the 50 bytes, then end of stream
     with pytest.raises(ConnectionError, match="after 10 of 50 bytes"):
-        tcp._recv_views(sock, split_views(bytearray(50), [20, 30]))  # type: ignore[arg-type]
+        wire.recv_views(sock, split_views(bytearray(50), [20, 30]))  # type: ignore[arg-type]
 
 
 def test_a_scattered_read_over_more_slices_than_one_call_takes_lands_in_the_right_blocks(monkeypatch):
-    monkeypatch.setattr(tcp, "_IOV_MAX", 4)  # 3 layers x 5 runs = 15 slices: several calls each way
+    monkeypatch.setattr(wire, "IOV_MAX", 4)  # 3 layers x 5 runs = 15 slices: several calls each way
     p, d, p_kv, d_kv = make_pair("tcp")
     try:
         remote_block_ids = [9, 0, 1, 5, 3, 4, 11]
         local_block_ids = [2, 3, 4, 0, 7, 8, 10]  # 3 4 pairs with 0 1, 7 8 with 3 4
-        assert len(_paired_runs(local_block_ids, remote_block_ids)) == 5
+        assert len(paired_runs(local_block_ids, remote_block_ids)) == 5
         handle = d.read_blocks("engine-p", local_block_ids, remote_block_ids, b"req:1")
         assert finish(handle) == TransferState.DONE
         for name in p_kv:
@@ -311,22 +312,22 @@ def test_a_scattered_read_over_more_slices_than_one_call_takes_lands_in_the_righ
 
 
 def test_a_whole_read_takes_one_vectored_call_each_way(monkeypatch):
-    calls = {"_send_views": 0, "_recv_views": 0}  # calls that move block bytes, not headers
+    calls = {"send_views": 0, "recv_views": 0}  # calls that move block bytes, not headers
 
     def counting(name):
-        real = getattr(tcp, name)
+        real = getattr(wire, name)
 
         def counted(sock, views):
             calls[name] += sum(len(v) for v in views) > 64
             return real(sock, views)
         return counted
     for name in calls:
-        monkeypatch.setattr(tcp, name, counting(name))
+        monkeypatch.setattr(wire, name, counting(name))
     p, d, _, _ = make_pair("tcp")
     try:
         handle = d.read_blocks("engine-p", list(range(6)), [5, 6, 7, 0, 1, 2], b"req:1")
         assert finish(handle) == TransferState.DONE
-        assert calls == {"_send_views": 1, "_recv_views": 1}
+        assert calls == {"send_views": 1, "recv_views": 1}
     finally:
         d.close()
         p.close()
@@ -337,15 +338,15 @@ def test_a_whole_read_takes_one_vectored_call_each_way(monkeypatch):
 def raw_reader(p) -> socket.socket:
     """A connection to P's data port that has read the hello (P has no secret)."""
     sock = socket.create_connection(p.address, timeout=5)
-    hello = sock.recv(_HELLO.size, socket.MSG_WAITALL)
-    assert _HELLO.unpack(hello)[:2] == (b"KVR1", False)
+    hello = sock.recv(HELLO.size, socket.MSG_WAITALL)
+    assert HELLO.unpack(hello)[:2] == (b"KVR1", False)
     return sock
 
 
 def send_read(sock: socket.socket, block_ids: list[int], notification: bytes,
               num_ids: int | None = None) -> None:
     count = len(block_ids) if num_ids is None else num_ids
-    sock.sendall(_READ.pack(b"READ", count, len(notification))
+    sock.sendall(READ.pack(b"READ", count, len(notification))
                  + struct.pack(f"!{len(block_ids)}I", *block_ids) + notification)
 
 
@@ -358,7 +359,7 @@ def hung_up(sock: socket.socket) -> bool:
 
 
 def read_refusal(sock: socket.socket) -> str:
-    status, message_len = _STATUS.unpack(sock.recv(_STATUS.size, socket.MSG_WAITALL))
+    status, message_len = STATUS.unpack(sock.recv(STATUS.size, socket.MSG_WAITALL))
     assert status == 1
     return sock.recv(message_len, socket.MSG_WAITALL).decode()
 
@@ -383,9 +384,9 @@ def test_out_of_range_ids_are_refused_and_the_connection_still_serves(owner):
         expected = f"block ids [{NUM_BLOCKS + 7}] are outside the pool of {NUM_BLOCKS} blocks"
         assert read_refusal(sock) == expected
         send_read(sock, [3], b"good:1")
-        assert _STATUS.unpack(sock.recv(_STATUS.size, socket.MSG_WAITALL)) == (0, 0)
+        assert STATUS.unpack(sock.recv(STATUS.size, socket.MSG_WAITALL)) == (0, 0)
         received = bytearray(len(p_kv) * block_bytes)
-        tcp._recv_views(sock, [memoryview(received)])
+        wire.recv_views(sock, [memoryview(received)])
         expected = b"".join(kv[3].numpy().tobytes() for kv in p_kv.values())
         assert bytes(received) == expected
         sock.sendall(b"A")
@@ -396,7 +397,7 @@ def test_out_of_range_ids_are_refused_and_the_connection_still_serves(owner):
     (NUM_BLOCKS + 1, b"r:1", f"a read of {NUM_BLOCKS + 1} blocks is more than the whole pool of "
                              f"{NUM_BLOCKS}"),
     (2**32 - 1, b"r:1", "a read of 4294967295 blocks"),
-    (1, b"x" * (tcp._MAX_NOTIFICATION_BYTES + 1), "over the limit of 65536"),
+    (1, b"x" * (wire.MAX_NOTIFICATION_BYTES + 1), "over the limit of 65536"),
 ])
 def test_an_oversize_request_is_refused_before_its_body_is_read_and_the_connection_closed(
         owner, num_ids, notification, expected):
@@ -411,7 +412,7 @@ def test_an_oversize_request_is_refused_before_its_body_is_read_and_the_connecti
 def send_range_read(sock: socket.socket, block_ids: list[int], ranges: list[tuple[int, int]],
                     notification: bytes, num_ranges: int | None = None) -> None:
     flat = [value for r in ranges for value in r]
-    sock.sendall(_READ.pack(b"RRNG", len(block_ids), len(notification))
+    sock.sendall(READ.pack(b"RRNG", len(block_ids), len(notification))
                  + struct.pack("!I", len(ranges) if num_ranges is None else num_ranges)
                  + struct.pack(f"!{len(block_ids)}I", *block_ids) + struct.pack(f"!{len(flat)}I", *flat)
                  + notification)
@@ -424,9 +425,9 @@ def test_a_range_read_past_a_block_is_refused_and_an_honest_one_streams_only_its
         send_range_read(sock, [2], [(block_bytes - 8, 16)], b"bad:1")
         assert "run past a block of" in read_refusal(sock)
         send_range_read(sock, [2, 5], [(8, 16), (40, 8)], b"good:1")
-        assert _STATUS.unpack(sock.recv(_STATUS.size, socket.MSG_WAITALL)) == (0, 0)
+        assert STATUS.unpack(sock.recv(STATUS.size, socket.MSG_WAITALL)) == (0, 0)
         received = bytearray(len(p_kv) * 2 * 24)
-        tcp._recv_views(sock, [memoryview(received)])
+        wire.recv_views(sock, [memoryview(received)])
         expected = b"".join(kv[b].numpy().tobytes()[offset:offset + length] for kv in p_kv.values()
                             for b in (2, 5) for offset, length in ((8, 16), (40, 8)))
         assert bytes(received) == expected
@@ -437,7 +438,7 @@ def test_a_range_read_past_a_block_is_refused_and_an_honest_one_streams_only_its
 def test_a_range_read_naming_too_many_ranges_is_refused_unread(owner):
     p, _ = owner
     with raw_reader(p) as sock:
-        send_range_read(sock, [0], [(0, 8)], b"r:1", num_ranges=tcp._MAX_RANGES + 1)
+        send_range_read(sock, [0], [(0, 8)], b"r:1", num_ranges=wire.MAX_RANGES + 1)
         assert "byte ranges per block is over the limit" in read_refusal(sock)
         assert hung_up(sock)
 
@@ -445,7 +446,7 @@ def test_a_range_read_naming_too_many_ranges_is_refused_unread(owner):
 def test_a_request_with_a_bad_magic_closes_the_connection(owner):
     p, _ = owner
     with raw_reader(p) as sock:
-        sock.sendall(_READ.pack(b"EVIL", 1, 3) + struct.pack("!I", 0) + b"r:1")
+        sock.sendall(READ.pack(b"EVIL", 1, 3) + struct.pack("!I", 0) + b"r:1")
         assert hung_up(sock)
 
 
@@ -468,12 +469,12 @@ def test_a_reader_that_hangs_up_mid_transfer_gets_no_notification_and_p_serves_o
     try:
         with raw_reader(p) as sock:
             send_read(sock, list(range(256)), b"quitter:1")
-            sock.recv(_STATUS.size, socket.MSG_WAITALL)
+            sock.recv(STATUS.size, socket.MSG_WAITALL)
             if hang_up_after == "some blocks":
                 sock.recv(4096, socket.MSG_WAITALL)
             elif hang_up_after == "all blocks":
                 total = sum(kv.numel() * kv.element_size() for kv in p_kv.values())
-                tcp._recv_views(sock, [memoryview(bytearray(total))])
+                wire.recv_views(sock, [memoryview(bytearray(total))])
         # NOTE: P's serving thread ends once its send (or its wait for the ACK) fails
         wait_for(lambda: not p._server._connections, what="P to drop the connection")
         d = create_transport("tcp", "engine-d")

@@ -1,0 +1,1 @@
+"""Compute kernels: native CPU kernels (C, built on first use) and Triton kernels for CUDA."""
