@@ -116,12 +116,15 @@ class LookupServer:
                 return
 
     def close(self) -> None:
+        """Stop answering; the thread has ended when this returns (it polls every _POLL_SECONDS)."""
         self._stop.set()
         try:
             self._listener.close()
         finally:
             if os.path.exists(self.address):
                 os.unlink(self.address)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10 * _POLL_SECONDS)
 
 
 class LookupClient:

@@ -141,6 +141,18 @@ class MultiConnector(KVConnectorBase):
             add_stats(stats, child.take_stats())
         return stats
 
+    def shutdown(self) -> None:
+        """Shut every child down, each even when an earlier one raised (the first error is
+        raised once all of them had their turn)."""
+        errors = []
+        for child in self.connectors:
+            try:
+                child.shutdown()
+            except Exception as e:  # noqa: BLE001 - the others must still release theirs
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

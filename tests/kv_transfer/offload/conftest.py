@@ -8,12 +8,25 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from tests.kv_transfer.offload.helpers import LIVE_LLMS
 from tests.kv_transfer.offload.mooncake_master import mooncake_master  # noqa: F401 - a fixture
+
+
+@pytest.fixture(autouse=True)
+def no_offload_thread_outlives_its_test() -> Iterator[None]:
+    """Shut down every engine the test built; then none of their store, load or lookup threads
+    may be left."""
+    yield
+    while LIVE_LLMS:
+        LIVE_LLMS.pop().shutdown()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kvrelay-offload")]
+    assert not left, f"offload threads left behind: {left}"
 
 
 def _free_port() -> int:

@@ -44,9 +44,15 @@ def offload_config(**extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"chunk_tokens": CHUNK_TOKENS, "max_pending_stores": 64, **extra}}
 
 
+# Every LLM a test builds, shut down after the test (conftest.py): its store threads end with it.
+LIVE_LLMS: list[LLM] = []
+
+
 def make_llm(kv_transfer_config: dict[str, Any] | None, num_blocks: int = NUM_BLOCKS) -> LLM:
-    return LLM(loaded_model=tiny_loaded_model("llama"), num_blocks=num_blocks, block_size=BLOCK_SIZE,
-               kv_transfer_config=kv_transfer_config)
+    llm = LLM(loaded_model=tiny_loaded_model("llama"), num_blocks=num_blocks, block_size=BLOCK_SIZE,
+              kv_transfer_config=kv_transfer_config)
+    LIVE_LLMS.append(llm)
+    return llm
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

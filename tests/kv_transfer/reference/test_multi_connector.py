@@ -150,3 +150,30 @@ def test_bad_child_configs_are_rejected_with_their_index(children, match):
     with pytest.raises(ValueError, match=match):
         make_multi(children)
 
+
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_shutdown_reaches_every_child_even_after_one_raises(tmp_path, monkeypatch, role):
+    multi = make_multi([example_child(tmp_path / "a"), example_child(tmp_path / "b")], role)
+    calls = []
+
+    def failing() -> None:
+        calls.append("a")
+        raise RuntimeError("a child that cannot stop cleanly")
+
+    monkeypatch.setattr(multi.connectors[0], "shutdown", failing)
+    monkeypatch.setattr(multi.connectors[1], "shutdown", lambda: calls.append("b"))
+    with pytest.raises(RuntimeError, match="cannot stop cleanly"):
+        multi.shutdown()
+    assert calls == ["a", "b"]
+
+
+def test_shutdown_stops_an_offload_child_s_threads(tmp_path):
+    import threading
+
+    offload = {"kv_connector": "OffloadConnector",
+               "kv_connector_extra_config": {"chunk_tokens": 16, "cpu_bytes": "1MiB"}}
+    scheduler, worker = make_pair([example_child(tmp_path / "a"), offload])
+    assert any(t.name.startswith("kvrelay-offload") for t in threading.enumerate())
+    worker.shutdown()
+    scheduler.shutdown()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("kvrelay-offload")]
