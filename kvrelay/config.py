@@ -11,9 +11,11 @@ _SIZE_UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                  "half": "float16", "auto": "float32"}
+                  "half": "float16"}
+DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024**2  # without --kv-cache-memory on the CPU
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 def parse_size(value: int | str, name: str = "size") -> int:
@@ -36,10 +38,45 @@ def parse_size(value: int | str, name: str = "size") -> int:
 
 
 def normalize_dtype(dtype: str) -> str:
+    """A user's spelling of the model dtype -> auto, float32, bfloat16 or float16."""
     name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower().removeprefix("torch."))
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     return name
+
+
+def resolve_device(device: str) -> str:
+    """--device: "auto" is "cuda" when a GPU is visible, else "cpu"; "cpu", "cuda" and "cuda:N"
+    are checked against what this machine has, with an error naming the fix."""
+    name = str(device).strip().lower()
+    if name == "cpu":
+        return name
+    if name != "auto" and not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch  # NOTE: only here: the scheduler side imports this module without torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name == "auto":
+        return "cuda" if count else "cpu"
+    if not count:
+        raise ValueError(f"device {device!r} asks for a GPU, but torch sees none (torch "
+                         f"{torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                         "use --device cpu")
+    index = int(name.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(f"device {device!r}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}")
+    return name
+
+
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None = None) -> str:
+    """--dtype auto: float32 on the CPU; on a GPU the checkpoint's dtype (bfloat16 when it has
+    none of its own, e.g. a quantized GGUF)."""
+    name = normalize_dtype(dtype)
+    if name != "auto":
+        return name
+    if device == "cpu":
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in _DTYPES[1:] else "bfloat16"
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
@@ -68,23 +105,46 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None: the embedded default model (SmolLM2-135M-Instruct)
-    dtype: str = "float32"
-    device: str = "cpu"
+    # "auto": float32 on the CPU, the checkpoint's dtype on a GPU (resolved by the engine once it
+    # knows the checkpoint; on the CPU here already).
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N; resolved here ("auto": a GPU if visible)
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     served_model_name: str | None = None
+    enforce_eager: bool = False  # vLLM's name: no CUDA graphs, every step runs eagerly
+    # Which attention route serves the model: "auto" (cpu on the CPU, triton on CUDA), or one of
+    # cpu (the native kernels), torch (plain torch, any device: the reference), triton (CUDA).
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "device", resolve_device(self.device))
+        dtype = normalize_dtype(self.dtype)
+        if self.device == "cpu":  # a GPU's "auto" waits for the checkpoint (the engine resolves it)
+            dtype = resolve_dtype(dtype, self.device)
+        object.__setattr__(self, "dtype", dtype)
         _positive("max_model_len", self.max_model_len, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "cpu" and self.device != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs the native CPU kernels; device is {self.device}")
+        if self.attention_backend == "triton" and self.device == "cpu" and not _triton_interpreted():
+            raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 "
+                             "to run the kernels under Triton's interpreter, for tests)")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int = 512 * 1024**2  # bytes for all layers' KV blocks
+    # Bytes for all layers' KV blocks. None: DEFAULT_CPU_KV_CACHE_MEMORY on the CPU; on a GPU what
+    # gpu_memory_utilization leaves after the weights and a profiling forward (as vLLM does).
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory this instance may use
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None  # tests: an exact block count instead of a byte budget
     # What the KV cache stores (vLLM's `--kv-cache-dtype`): "auto" (the model's dtype), float32,
@@ -94,7 +154,12 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         object.__setattr__(self, "cache_dtype", normalize_kv_cache_dtype(self.cache_dtype))
-        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, int | float) \
+                or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         _positive("num_blocks_override", self.num_blocks_override, allow_none=True)
 
 
@@ -153,3 +218,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: Any = None  # KVTransferConfig | None (kvrelay.kv_transfer.config)
+
+
+def _triton_interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"

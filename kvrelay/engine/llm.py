@@ -17,31 +17,38 @@ from kvrelay.sampling_params import SamplingParams
 class LLM:
     """An engine for offline batches. Arguments mirror vLLM's where they exist:
 
-    LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", kv_cache_dtype="auto",
-        max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0,
-        kv_transfer_config=None, tensor_parallel_size=1, distributed_executor_backend=None)
-    `kv_cache_dtype`: what the KV cache stores, independent of `dtype` (kvrelay/attention/kv_format.py).
-    `model=None` is the embedded SmolLM2-135M-Instruct.
+    LLM(model=None, device="auto", dtype="auto", block_size=16, kv_cache_memory=None,
+        gpu_memory_utilization=0.9, kv_cache_dtype="auto", max_num_seqs=64, max_num_batched_tokens=2048,
+        max_model_len=None, enable_prefix_caching=True, seed=0, kv_transfer_config=None,
+        tensor_parallel_size=1, distributed_executor_backend=None, enforce_eager=False,
+        attention_backend="auto")
+    `model=None` is the embedded SmolLM2-135M-Instruct. `device`: auto (a GPU when one is visible,
+    else the CPU), cpu, cuda or cuda:N. `dtype="auto"`: float32 on the CPU, the checkpoint's dtype
+    on a GPU. `kv_cache_memory` (bytes, or "1GiB"): None is 512MiB on the CPU; on a GPU the cache
+    gets what `gpu_memory_utilization` (the share of the GPU's memory this instance may use) leaves
+    after the weights. `kv_cache_dtype`: what the KV cache stores, independent of `dtype`
+    (kvrelay/attention/kv_format.py). `enforce_eager`: no CUDA graphs. `attention_backend`: auto,
+    cpu, torch or triton (kvrelay/config.py).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 block_size: int = 16, kv_cache_memory: int | str = 512 * 1024**2,
-                 kv_cache_dtype: str = "auto",
+    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, kv_cache_memory: int | str | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  long_prefill_token_threshold: int = 0, num_blocks: int | None = None,
                  seed: int = 0, kv_transfer_config: Any = None, tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None,
-                 loaded_model: LoadedModel | None = None) -> None:
+                 distributed_executor_backend: str | None = None, enforce_eager: bool = False,
+                 attention_backend: str = "auto", loaded_model: LoadedModel | None = None) -> None:
         kv_transfer = None
         if kv_transfer_config is not None:
             from kvrelay.kv_transfer.config import KVTransferConfig
             kv_transfer = KVTransferConfig.from_any(kv_transfer_config)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                              seed=seed),
-            cache=CacheConfig(block_size=block_size,
-                              kv_cache_memory=parse_size(kv_cache_memory, "kv_cache_memory"),
+                              seed=seed, enforce_eager=enforce_eager, attention_backend=attention_backend),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=_bytes_or_none(kv_cache_memory),
+                              gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching,
                               num_blocks_override=num_blocks, cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
@@ -130,3 +137,7 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _bytes_or_none(size: int | str | None) -> int | None:
+    return None if size is None else parse_size(size, "kv_cache_memory")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -9,14 +10,14 @@ from typing import Any
 
 import torch
 
-from kvrelay.config import EngineConfig
+from kvrelay.config import EngineConfig, resolve_dtype
 from kvrelay.core.scheduler import Scheduler
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.executor import create_executor
 from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.protocols import SchedulerConnector
-from kvrelay.model.loader import LoadedModel, load_model
+from kvrelay.model.loader import LoadedModel, checkpoint_dtype, load_model, weights_dtype
 from kvrelay.model.sharding import check_tensor_parallel, shard_layout, shard_spec
 from kvrelay.outputs import RequestOutput
 from kvrelay.request import Request, RequestStatus
@@ -33,10 +34,13 @@ IDLE_STEP_SLEEP_S = 0.0005
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        self.config = config
-        mcfg, ccfg = config.model, config.cache
+        mcfg = config.model
         if loaded is None:
-            loaded = load_model(mcfg.model, dtype=torch_dtype(mcfg.dtype))
+            config = _with_dtype(config, checkpoint_dtype(mcfg.model))
+            loaded = load_model(mcfg.model, dtype=torch_dtype(config.model.dtype))
+        else:
+            config = _with_dtype(config, weights_dtype(loaded.weights))
+        self.config = config
         self.spec = loaded.spec
         tp_size = config.parallel.tensor_parallel_size
         check_tensor_parallel(self.spec, tp_size)
@@ -44,26 +48,31 @@ class LLMEngine:
         self.rank_spec = shard_spec(self.spec, shard_layout(self.spec, 0, tp_size))
         self.tokenizer = loaded.tokenizer
         self.model_name = mcfg.served_model_name or loaded.name
-        dtype = torch_dtype(mcfg.dtype)
         # Format, fp8 scales and compatibility fingerprint, from the whole (unsharded) model.
-        self.kv = build_kv_setup(config, self.spec, loaded.weights, dtype, torch.device(mcfg.device))
-
-        self.num_blocks = self._num_blocks(config)
-        self.max_model_len = self._max_model_len(config)
+        self.kv = build_kv_setup(config, self.spec, loaded.weights, torch_dtype(config.model.dtype),
+                                 torch.device(config.model.device))
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.spec.eos_token_ids)))
-        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len,
-                                   self._build_scheduler_connector(config))
-        plan = WorkerPlan(config=config, spec=self.spec, num_blocks=self.num_blocks,
-                          eos_token_ids=self.eos_token_ids, kv=self.kv)
+        plan = WorkerPlan(config=config, spec=self.spec, eos_token_ids=self.eos_token_ids, kv=self.kv)
         # NOTE: "mp" workers load a model path themselves (memory-mapped); an in-memory model's
         # tensors are handed over. The engine keeps no reference to the weights after this.
         in_memory = loaded.source == "memory" or config.parallel.distributed_executor_backend == "uni"
         weights, loaded.weights = (loaded.weights if in_memory else None), {}
         self.executor = create_executor(plan, weights, None if in_memory else loaded.source)
         del weights
+        try:
+            # NOTE: the workers measure what they can hold first; the cache (and the context
+            # length it allows) is then the same on every rank.
+            self.num_blocks = self._num_blocks(config)
+            self.max_model_len = self._max_model_len(config)
+            self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
+            self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len,
+                                       self._build_scheduler_connector(config))
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parallel = ParallelSampling(self.add_request, lambda rid: rid in self.scheduler.requests,
-                                         stagger=ccfg.enable_prefix_caching)
+                                         stagger=config.cache.enable_prefix_caching)
         self._ids = itertools.count()
 
     @property
@@ -78,12 +87,11 @@ class LLMEngine:
 
     def _num_blocks(self, config: EngineConfig) -> int:
         ccfg = config.cache
-        if ccfg.num_blocks_override is not None:
-            return ccfg.num_blocks_override
-        per_block = kv_block_bytes(self.rank_spec, ccfg.block_size, self.kv.format.name)
-        num_blocks = ccfg.kv_cache_memory // per_block
+        num_blocks = self.executor.determine_num_blocks()
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={ccfg.kv_cache_memory} bytes holds {num_blocks} blocks of "
+            per_block = kv_block_bytes(self.rank_spec, ccfg.block_size, self.kv.format.name)
+            budget = ccfg.kv_cache_memory if ccfg.kv_cache_memory is not None else num_blocks * per_block
+            raise ValueError(f"kv_cache_memory={budget} bytes holds {num_blocks} blocks of "
                              f"{per_block} bytes; give the KV cache at least {2 * per_block} bytes")
         return num_blocks
 
@@ -213,3 +221,11 @@ class LLMEngine:
             num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv,
             kv_cache_dtype=self.kv.format.name, kv_bytes_per_token=self.kv.bytes_per_token)
         return stats
+
+
+def _with_dtype(config: EngineConfig, checkpoint: str | None) -> EngineConfig:
+    """`config` with --dtype auto resolved for its device (the checkpoint's dtype on a GPU)."""
+    dtype = resolve_dtype(config.model.dtype, config.model.device, checkpoint)
+    if dtype == config.model.dtype:
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))

@@ -16,6 +16,15 @@ class Executor(ABC):
     world_size: int
 
     @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """The KV blocks every rank can hold: the smallest of what each measured at start-up."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Have every rank allocate `num_blocks` blocks (and capture its decode graphs), before
+        the first step."""
+
+    @abstractmethod
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank. Returns rank 0's sampled tokens with the connector results
         of every rank merged (a transfer is finished or failed only once every rank reported it).

@@ -26,6 +26,7 @@ from kvrelay.executor.serial import (
     WorkerReply,
     decode_reply,
     decode_runner_output,
+    encode_init_kv_cache,
     encode_scheduler_output,
 )
 from kvrelay.executor.worker_proc import WorkerProcessArgs, run_worker_process
@@ -66,9 +67,22 @@ class MultiprocExecutor(Executor):
             child_end.close()
             self.processes.append(process)
             self.conns.append(parent_end)
-        self._collect(STARTUP_TIMEOUT_S, "start-up")
+        replies = self._collect(STARTUP_TIMEOUT_S, "start-up")
+        self._num_blocks = min(reply.num_blocks for reply in replies)
         logger.info("started %d worker processes (pids %s), %d threads each", self.world_size,
                     [p.pid for p in self.processes], num_threads)
+
+    def determine_num_blocks(self) -> int:
+        return self._num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        message = encode_init_kv_cache(num_blocks, max_model_len)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(message)
+            except OSError as exc:
+                self._fail(f"worker {rank} cannot be reached: {exc}")
+        self._collect(STARTUP_TIMEOUT_S, "the KV cache's allocation")
 
     # ----------------------------------------------------------------------------- step
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

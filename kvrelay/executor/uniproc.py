@@ -21,6 +21,12 @@ class UniProcExecutor(Executor):
         self.world_size = 1
         self.worker = Worker(plan, weights)
 
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks, max_model_len)
+
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(sched_out)
 

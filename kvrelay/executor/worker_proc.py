@@ -2,10 +2,12 @@
 
 Start-up: take this rank's share of the CPU threads, load the weights (memory-mapped from the
 model path, or the tensors the engine handed over for an in-memory model), join the process
-group, build the Worker, answer `ready`. Then, until `SHUTDOWN` or the engine's end of the pipe
-closes: read one encoded SchedulerOutput, run it, answer with the encoded ModelRunnerOutput
-(rank 0: everything; other ranks: only their connector results). An exception is answered
-once with `error` and ends the process with a non-zero code.
+group, build the Worker, measure the KV blocks it can hold and answer `ready` with them; then
+allocate the cache the engine settles on (`INIT_KV_CACHE`) and answer `kv_ready`. Then, until
+`SHUTDOWN` or the engine's end of the pipe closes: read one encoded SchedulerOutput, run it,
+answer with the encoded ModelRunnerOutput (rank 0: everything; other ranks: only their
+connector results). An exception is answered once with `error` and ends the process with a
+non-zero code.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import NoReturn
 
 import torch
 
 from kvrelay.executor.serial import (
     SHUTDOWN,
     WorkerReply,
+    decode_init_kv_cache,
     decode_scheduler_output,
     encode_reply,
     encode_runner_output,
@@ -48,13 +52,28 @@ def run_worker_process(args: WorkerProcessArgs, conn: Connection) -> None:
     _die_with_engine()
     try:
         worker = _start_worker(args)
+        ready = WorkerReply(kind="ready", rank=args.rank, num_blocks=worker.determine_num_blocks())
     except BaseException:  # noqa: BLE001 - every start-up failure must reach the engine
-        _reply(conn, WorkerReply(kind="error", rank=args.rank, error=traceback.format_exc()))
-        sys.exit(1)
-    _reply(conn, WorkerReply(kind="ready", rank=args.rank))
-    code = _serve_steps(worker, args.rank, conn)
+        _fail(conn, args.rank)
+    _reply(conn, ready)
+    try:
+        message = conn.recv_bytes()
+        if message != SHUTDOWN:  # SHUTDOWN here: the engine gave up before the cache existed
+            init = decode_init_kv_cache(message)
+            worker.initialize_kv_cache(init.num_blocks, init.max_model_len)
+    except BaseException:  # noqa: BLE001 - likewise
+        _fail(conn, args.rank)
+    code = 0
+    if message != SHUTDOWN:
+        _reply(conn, WorkerReply(kind="kv_ready", rank=args.rank))
+        code = _serve_steps(worker, args.rank, conn)
     worker.shutdown()
     sys.exit(code)
+
+
+def _fail(conn: Connection, rank: int) -> NoReturn:
+    _reply(conn, WorkerReply(kind="error", rank=rank, error=traceback.format_exc()))
+    sys.exit(1)
 
 
 def _die_with_engine() -> None:

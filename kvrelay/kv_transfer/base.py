@@ -304,6 +304,13 @@ class KVConnectorBase(ABC):
         compute.
         """
 
+    def uses_layer_hooks(self) -> bool:
+        """Whether this step's layer hooks (wait_for_layer_load, save_kv_layer) have work; called
+        after bind_connector_metadata. A step whose hooks have none may replay a captured CUDA
+        graph, which calls no hook. Default: True (a connector that never works per layer says
+        False)."""
+        return True
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until `layer_name`'s incoming KV for this step is in place.
 

@@ -61,6 +61,8 @@ class WorkerConnector(LayerHooks, Protocol):
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None: ...
 
+    def uses_layer_hooks(self) -> bool: ...
+
     def wait_for_save(self) -> None: ...
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput | None: ...
@@ -112,6 +114,9 @@ class NullWorkerConnector:
 
     def start_load_kv(self, forward_context: ForwardContextView) -> None:
         return None
+
+    def uses_layer_hooks(self) -> bool:
+        return False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -98,6 +98,30 @@ def load_model(
     return loaded
 
 
+def checkpoint_dtype(model: str | None) -> str | None:
+    """The dtype a checkpoint's weights were published in (config.json's `torch_dtype`, or
+    `dtype` in newer files), without loading them: what `--dtype auto` runs on a GPU. None for a
+    GGUF (quantized or converted: no dtype of its own) or when the file does not say."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None  # the loader reports a broken config.json with its path
+    name = str(config.get("torch_dtype") or config.get("dtype") or "").removeprefix("torch.")
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(name)
+
+
+def weights_dtype(weights: dict[str, torch.Tensor]) -> str | None:
+    """The dtype of in-memory weights (their first floating tensor's), as a dtype name."""
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    return next((names[t.dtype] for t in weights.values() if t.dtype in names), None)
+
+
 def _has_gguf_magic(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"

@@ -275,6 +275,12 @@ def _has_penalties(params: SamplingParams) -> bool:
             or params.repetition_penalty != 1.0)
 
 
+def needs_token_history(params: SamplingParams) -> bool:
+    """Whether sampling for `params` reads the request's prompt and output tokens (penalties,
+    min_tokens); a row that does not may leave them empty."""
+    return params.min_tokens > 0 or _has_penalties(params)
+
+
 def _stop_ids(row: SamplingRow) -> list[int]:
     return [*row.eos_token_ids, *(row.params.stop_token_ids or ())]
 

@@ -1,33 +1,46 @@
 """The model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-It owns the paged KV tensors and the per-request state the scheduler sends as a diff. Every
-step, with or without tokens to run, it drives the worker-side connector:
+It owns the paged KV tensors and the per-request state the scheduler sends as a diff
+(requests.py). Every step, with or without tokens to run, it drives the worker-side connector:
 bind metadata -> start_load_kv -> forward (layer hooks) -> wait_for_save -> sample ->
 get_finished -> clear metadata.
+
+A step's inputs are built with numpy and reach the device in one copy each way (staging.py);
+the attention backend, chosen once at start, turns them into the step's metadata. On a GPU,
+decode-only steps replay a captured CUDA graph (cuda_graphs.py) unless `enforce_eager` is set or
+the connector has per-layer work in that step. Start-up is in two parts: the runner first exists
+without a KV cache (so the worker can measure the memory a forward takes), then
+`initialize_kv_cache` allocates the blocks the engine settled on.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvrelay.attention.backends import AttentionBackend, select_backend
 from kvrelay.attention.forward_context import ForwardContext, set_forward_context
 from kvrelay.attention.kv_format import kv_dtype_names, kv_format
-from kvrelay.attention.layer import build_attention_metadata
+from kvrelay.attention.metadata import StepBatch
 from kvrelay.core.sched_output import SchedulerOutput
 from kvrelay.kernels.native import log_active_kernels
 from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, WorkerConnector
 from kvrelay.model.llama import CausalLM
-from kvrelay.model.sampler import Sampler, SamplingRow, make_generator
+from kvrelay.model.sampler import Sampler
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
-from kvrelay.sampling_params import SamplingParams
 from kvrelay.utils import cdiv
+from kvrelay.worker.cuda_graphs import DecodeGraphs
 from kvrelay.worker.kv_connector_step import kv_connector_step
+from kvrelay.worker.requests import RequestTable
+from kvrelay.worker.staging import InputStaging
+
+logger = logging.getLogger(__name__)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -45,24 +58,12 @@ def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: str) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * block_size * spec.head_dim * elem
 
 
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + output tokens known to the runner
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-
 class ModelRunner:
-    def __init__(self, model: CausalLM, spec: ModelSpec, num_blocks: int, block_size: int,
-                 dtype: str, device: torch.device, seed: int | None = None,
-                 eos_token_ids: tuple[int, ...] = (),
-                 connector: WorkerConnector = NULL_WORKER_CONNECTOR,
-                 kv_scales: torch.Tensor | None = None) -> None:
+    def __init__(self, model: CausalLM, spec: ModelSpec, block_size: int, dtype: str, device: torch.device,
+                 seed: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 connector: WorkerConnector = NULL_WORKER_CONNECTOR, kv_scales: torch.Tensor | None = None,
+                 attention_backend: str = "auto", enforce_eager: bool = False,
+                 max_num_seqs: int = 64) -> None:
         """`dtype`: the KV cache format (kvrelay/attention/kv_format.py: float32, bfloat16, float16,
         fp8_e4m3, fp8_e5m2), whatever the weights' dtype; fp8 needs `kv_scales` [num_layers, 2,
         num_kv_heads] of this rank's KV heads (kvrelay/worker/kv_calibration.py)."""
@@ -73,15 +74,39 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(seed)
         self.connector = connector  # worker-side KV connector (the null one without KV transfer)
-        self.requests: dict[str, CachedRequestState] = {}
         self.kv_format = kv_format(dtype)
         if self.kv_format.is_fp8 != (kv_scales is not None):
             raise ValueError(f"KV cache format {dtype} {'needs' if self.kv_format.is_fp8 else 'takes no'} "
                              "kv_scales")
         self.kv_scales = kv_scales
+        self.attention_backend = attention_backend
+        self.enforce_eager = enforce_eager
+        self.max_num_seqs = max_num_seqs
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.staging = InputStaging(device)
+        self.backend: AttentionBackend | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.requests: RequestTable | None = None
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate `num_blocks` blocks per layer, choose the attention backend, register the cache
+        with the connector and, on a GPU, capture the decode graphs."""
+        spec = self.spec
+        self.backend = select_backend(self.attention_backend, self.device, spec.num_kv_heads, spec.head_dim,
+                                      max_model_len, latent=spec.is_mla)
         self.kv_caches = self._allocate_kv_caches(num_blocks, self.kv_format.torch_dtype)
-        log_active_kernels(device)  # which native CPU kernels serve this model, once per process
-        connector.register_kv_caches(self.kv_caches)
+        self.requests = RequestTable(self.block_size, cdiv(max_model_len, self.block_size),
+                                     self.eos_token_ids, self.device, capacity=self.max_num_seqs)
+        log_active_kernels(self.device)  # which native CPU kernels serve this model, once per process
+        logger.info("attention backend %s on %s, %d KV blocks of %d tokens", self.backend.name, self.device,
+                    num_blocks, self.block_size)
+        self.connector.register_kv_caches(self.kv_caches)
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not self.enforce_eager \
+                and self.model.tp.size == 1:
+            self.graphs = DecodeGraphs(self.model, self.backend, list(self.kv_caches), self.max_num_seqs,
+                                       max_model_len, self.block_size, self.device)
+            with torch.inference_mode():
+                self.graphs.capture_all()
 
     def _allocate_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         spec = self.spec
@@ -95,75 +120,70 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.kv_format = self.kv_format
             layer.kv_scales = None if self.kv_scales is None else self.kv_scales[i].contiguous()  # [2, Hkv]
+            layer.backend = self.backend
             caches[name] = cache
         return caches
 
     # ----------------------------------------------------------------------------- step
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(sched_out)
+        assert self.requests is not None, "initialize_kv_cache must come before the first step"
+        self.requests.update(sched_out)
         with kv_connector_step(self.connector, sched_out) as step:
             output = self._forward_and_sample(sched_out)
         output.kv_connector_output = step.output
         return output
 
     def _forward_and_sample(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.requests is not None and self.backend is not None
         connector = self.connector
         req_ids = list(sched_out.num_scheduled_tokens)
-        batch = self._prepare_inputs(req_ids, sched_out.num_scheduled_tokens) if req_ids else None
-        attn_metadata = {name: batch["attn_metadata"] for name in self.kv_caches} if batch else {}
-        context = ForwardContext(attn_metadata=attn_metadata, kv_connector=connector)
+        if not req_ids:
+            context = ForwardContext(attn_metadata={}, kv_connector=connector)
+            with set_forward_context(context):
+                connector.start_load_kv(context)
+                connector.wait_for_save()
+            return ModelRunnerOutput.empty()
+        batch, input_ids = self.requests.step_inputs(req_ids, sched_out.num_scheduled_tokens)
+        input_ids_dev = self.staging.upload(batch, input_ids)
+        meta = self.backend.build_metadata(batch)
+        context = ForwardContext({name: meta for name in self.kv_caches}, kv_connector=connector)
         with set_forward_context(context):
             connector.start_load_kv(context)
-            hidden = self.model(batch["input_ids"], batch["positions"]) if batch else None
+            if self._replays(batch):
+                assert self.graphs is not None
+                hidden = self.graphs.run(batch, input_ids_dev)
+            else:
+                hidden = self.model(input_ids_dev, batch.device_inputs().positions)
             connector.wait_for_save()
-        if batch is None or hidden is None:
-            return ModelRunnerOutput.empty()
         return self._sample(req_ids, batch, hidden)
 
-    def _prepare_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]) -> dict[str, Any]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, block_tables = [], [], []
-        for req_id in req_ids:
-            state = self.requests[req_id]
-            n = num_scheduled[req_id]
-            start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            block_tables.append(state.block_ids)
-        meta = build_attention_metadata(query_lens, seq_lens, block_tables, self.block_size, self.device)
-        return {
-            "input_ids": torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            "positions": torch.tensor(positions, dtype=torch.long, device=self.device),
-            "attn_metadata": meta,
-            "query_lens": query_lens,
-            "seq_lens": seq_lens,
-        }
+    def _replays(self, batch: StepBatch) -> bool:
+        """A decode-only step of a captured size whose connector has no per-layer work."""
+        return (self.graphs is not None and batch.is_decode_only
+                and self.graphs.padded_size(batch.num_seqs) is not None
+                and not self.connector.uses_layer_hooks())
 
-    def _sample(self, req_ids: list[str], batch: dict[str, Any],
-                hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, req_ids: list[str], batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        assert self.requests is not None
         # A request samples when this step computed its last known token.
-        sample_idx, sampling_ids = [], []
-        last = -1
-        for req_id, q_len, seq_len in zip(req_ids, batch["query_lens"], batch["seq_lens"], strict=True):
-            last += q_len
-            if seq_len == len(self.requests[req_id].token_ids):
-                sample_idx.append(last)
-                sampling_ids.append(req_id)
+        last_rows = batch.query_start_loc[1:] - 1  # [S], each sequence's last row in the batch
+        known = np.fromiter((len(self.requests[rid].token_ids) for rid in req_ids), dtype=np.int64,
+                            count=len(req_ids))
+        samples = np.flatnonzero(batch.seq_lens == known)  # [N], the sequences that sample
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
-        if sample_idx:
-            idx = torch.tensor(sample_idx, dtype=torch.long, device=hidden.device)
+        if len(samples):
+            rows = hidden if len(samples) == hidden.shape[0] else hidden[
+                torch.from_numpy(last_rows[samples].astype(np.int64)).to(hidden.device)]
             # NOTE: every rank takes part (the LM head is vocab-parallel above TP 1, the same
             # rows on every rank); only rank 0 gets the logits and samples.
-            logits = self.model.compute_logits(hidden[idx])  # [num_sampling, vocab]
+            logits = self.model.compute_logits(rows)  # [N, vocab]
             if logits is None:
                 return ModelRunnerOutput.empty()
-            rows = [self._sampling_row(self.requests[rid]) for rid in sampling_ids]
-            token_ids, token_logprobs = self.sampler(logits, rows)
+            sampling_ids = [req_ids[i] for i in samples.tolist()]
+            sampling_rows = [self.requests[rid].sampling_row() for rid in sampling_ids]
+            token_ids, token_logprobs = self.sampler(logits, sampling_rows)
             for rid, tok, lp in zip(sampling_ids, token_ids, token_logprobs, strict=True):
                 sampled[rid] = [tok]
                 logprobs[rid] = lp
@@ -175,34 +195,36 @@ class ModelRunner:
             logprobs=[logprobs.get(rid) for rid in req_ids],
         )
 
-    @staticmethod
-    def _sampling_row(state: CachedRequestState) -> SamplingRow:
-        prompt_len = state.num_prompt_tokens
-        return SamplingRow(params=state.sampling_params, prompt_token_ids=state.token_ids[:prompt_len],
-                           output_token_ids=state.token_ids[prompt_len:],
-                           eos_token_ids=state.eos_token_ids, generator=state.generator)
-
-    # ----------------------------------------------------------------------------- state
-    def _update_states(self, sched_out: SchedulerOutput) -> None:
-        for req_id in sched_out.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in sched_out.scheduled_new_reqs:
-            previous = self.requests.get(new.req_id)  # a resumed request keeps its generator
-            params = new.sampling_params
-            generator = previous.generator if previous is not None else (
-                make_generator(params.seed) if params.seed is not None else None)
-            self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling_params=params, generator=generator, eos_token_ids=self.eos_token_ids)
-        for cached in sched_out.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            state.token_ids.extend(cached.new_token_ids)
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+    # ----------------------------------------------------------------------------- profiling
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, num_seqs: int) -> None:
+        """One forward of `num_tokens` prompt tokens over `num_seqs` sequences and the logits of
+        `num_seqs` rows, into a temporary cache: what the largest step costs in activations."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        tables, first = [], 0
+        for n in lens:
+            tables.append(list(range(first, first + cdiv(n, self.block_size))))
+            first += cdiv(n, self.block_size)
+        self.backend = select_backend(self.attention_backend, self.device, self.spec.num_kv_heads,
+                                      self.spec.head_dim, max(lens), latent=self.spec.is_mla)
+        saved = self.kv_caches
+        try:
+            self.kv_caches = self._allocate_kv_caches(first, self.kv_format.torch_dtype)
+            batch = StepBatch.from_lists(lens, lens, tables, self.block_size, self.device)
+            meta = self.backend.build_metadata(batch)
+            with set_forward_context(ForwardContext({name: meta for name in self.kv_caches})):
+                hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+                                    batch.device_inputs().positions)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(batch.query_start_loc[1:] - 1)
+                                                      .to(self.device, torch.int64)])
+            if logits is not None:
+                logits.argmax(dim=-1).tolist()
+        finally:
+            for layer in self.model.attention_layers().values():
+                layer.kv_cache = torch.empty(0)
+            self.kv_caches = saved
+            self.backend = None
 
 
 _MADV_HUGEPAGE = 14  # linux/mman.h

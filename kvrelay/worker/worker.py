@@ -22,18 +22,20 @@ from kvrelay.model.sharding import shard_layout
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.worker.kv_setup import KVSetup
-from kvrelay.worker.model_runner import ModelRunner, torch_dtype
+from kvrelay.worker.memory import GpuMemory, gpu_kv_budget, kv_cache_bytes
+from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What the engine decided before any worker starts: the same for every rank."""
+    """What the engine decided before any worker starts: the same for every rank. The KV cache's
+    size comes later: each rank measures what it can hold (`Worker.determine_num_blocks`) and the
+    engine gives every rank the smallest (`Worker.initialize_kv_cache`)."""
 
-    config: EngineConfig
+    config: EngineConfig  # resolved: a concrete device and dtype
     spec: ModelSpec  # the whole model's (each rank derives its shard)
-    num_blocks: int
     eos_token_ids: tuple[int, ...]
     kv: KVSetup  # the KV cache format, fp8 scales (all KV heads) and compatibility fingerprint
 
@@ -64,19 +66,49 @@ class Worker:
     def __init__(self, plan: WorkerPlan, weights: Mapping[str, torch.Tensor],
                  tp: TensorParallelGroup | None = None) -> None:
         config = plan.config
+        self.config = config
         self.tp = tp or TensorParallelGroup.single()
         mcfg = config.model
-        device = torch.device(mcfg.device)
-        model = build_model(plan.spec, weights, torch_dtype(mcfg.dtype), device, self.tp)
+        self.device = torch.device(mcfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._baseline = GpuMemory.read(self.device)  # before the weights: see memory.py
+        model = build_model(plan.spec, weights, torch_dtype(mcfg.dtype), self.device, self.tp)
         connector = build_worker_connector(config, model.spec, plan.kv, self.tp.rank)
         scales = plan.kv.scales  # [num_layers, 2, num_kv_heads] of the whole model, fp8 only
         if scales is not None and self.tp.size > 1:
             heads = shard_layout(plan.spec, self.tp.rank, self.tp.size).kv_heads
             scales = scales[:, :, heads.start:heads.stop].contiguous()
-        self.runner = ModelRunner(model, model.spec, plan.num_blocks, config.cache.block_size,
-                                  plan.kv.format.name, device, seed=mcfg.seed,
-                                  eos_token_ids=plan.eos_token_ids, connector=connector,
-                                  kv_scales=scales)
+        self.runner = ModelRunner(model, model.spec, config.cache.block_size, plan.kv.format.name,
+                                  self.device, seed=mcfg.seed, eos_token_ids=plan.eos_token_ids,
+                                  connector=connector,
+                                  kv_scales=None if scales is None else scales.to(self.device),
+                                  attention_backend=mcfg.attention_backend, enforce_eager=mcfg.enforce_eager,
+                                  max_num_seqs=config.scheduler.max_num_seqs)
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks this rank can hold: from kv_cache_memory (or the CPU default), or
+        on a GPU measured after the weights and a profiling forward of the largest step."""
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        per_block = kv_block_bytes(self.runner.spec, cache.block_size, self.runner.kv_format.name)
+        return kv_cache_bytes(cache, self.device, self._measure_gpu) // per_block
+
+    def _measure_gpu(self) -> int:
+        sched = self.config.scheduler
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.profile_forward(sched.max_num_batched_tokens, sched.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        utilization = self.config.cache.gpu_memory_utilization
+        budget = gpu_kv_budget(self._baseline, GpuMemory.read(self.device),
+                               torch.cuda.max_memory_allocated(self.device), utilization)
+        logger.info("rank %d: %.2f GiB of %s for the KV cache (gpu_memory_utilization %.2f)", self.tp.rank,
+                    budget / 1024**3, self.device, utilization)
+        return budget
+
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks, max_model_len)
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched_out)

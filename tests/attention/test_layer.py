@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvrelay.attention.backends import CpuBackend
 from kvrelay.attention.forward_context import ForwardContext, set_forward_context
 from kvrelay.attention.layer import Attention, build_attention_metadata
 from kvrelay.kernels import native
@@ -239,7 +240,7 @@ def test_decode_refuses_a_block_id_outside_the_cache(monkeypatch: pytest.MonkeyP
     meta = build_attention_metadata([1], [20], [[1, 9]], 16, torch.device("cpu"))  # block 9 of 4
     with set_forward_context(ForwardContext(attn_metadata={"layer": meta})):
         with pytest.raises(ValueError, match="block id 9 is outside the KV cache"):
-            attn._decode(torch.zeros(1, 4 * 64), meta.decode, meta)
+            CpuBackend().decode(attn, torch.zeros(1, 4 * 64), meta.decode, meta)
 
 
 def test_kv_write_refuses_a_slot_outside_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -249,5 +250,5 @@ def test_kv_write_refuses_a_slot_outside_the_cache(monkeypatch: pytest.MonkeyPat
     attn.kv_cache = torch.zeros(4, 2, 2, 16, 64)
     meta = build_attention_metadata([2], [20], [[1, 9]], 16, torch.device("cpu"))  # slots in block 9 of 4
     with pytest.raises(ValueError, match="slots 146..147 fall outside the KV cache"):
-        attn._write_kv(torch.zeros(2, 128), torch.zeros(2, 128), meta)
+        CpuBackend().write_kv(attn, torch.zeros(2, 128), torch.zeros(2, 128), meta)
     assert not attn.kv_cache.any()  # nothing written

@@ -171,6 +171,9 @@ class OffloadConnector(KVConnectorBase):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         return None  # whole chunks are copied out once, after the forward (wait_for_save)
 
+    def uses_layer_hooks(self) -> bool:
+        return False  # loads land in start_load_kv, stores leave in wait_for_save
+
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._meta)
 

@@ -161,6 +161,9 @@ class NixlConnector(KVConnectorBase):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         return None  # a pull: D reads the blocks where they are, nothing is pushed
 
+    def uses_layer_hooks(self) -> bool:
+        return False  # loads are whole requests between steps, and P serves blocks where they lie
+
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         return self.worker.get_finished()
 

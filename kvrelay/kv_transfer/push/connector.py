@@ -150,6 +150,9 @@ class NixlPushConnector(KVConnectorBase):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
         self.worker.save_layer(layer_name)
 
+    def uses_layer_hooks(self) -> bool:
+        return self.worker.uses_layer_hooks()
+
     def wait_for_save(self) -> None:
         self.worker.end_step()
 

@@ -1,9 +1,8 @@
 """P's pushes: registrations from decode instances, and the writes into their blocks.
 
-A push request on P is a `_Job` from its first computing step until its blocks are freed. A
-decode instance registers for it over the side channel (`register`, on the server thread),
-before P computes it (the normal case: the proxy starts both legs at once) or after. The engine
-thread then writes:
+A push request on P is a `_Job` from its first computing step until its blocks are freed; a
+decode instance registers for it over the side channel (`register`, on the server thread), as a
+rule before P computes it. The engine thread then writes:
 
     save_kv_layer(layer)   that layer's blocks for the tokens computed so far, while the forward
                            pass goes on with the next layers (and, with chunked prefill, beside
@@ -16,8 +15,7 @@ thread then writes:
                            final, so only the last layer's share is left on the critical path)
 
 Over a one-sided transport (NIXL, Mooncake) every earlier write carries a small `PushLanded`
-(its layers and prompt-block range), which the transport delivers once the bytes landed, so D
-sums each write's blocks as it lands, as it does over TCP where it sees the writes itself.
+(its layers and prompt blocks), delivered once the bytes landed: D sums each write as it lands.
 
 Between tensor-parallel instances (push/sender_state.py) a job has one registration per D rank
 that reads from this P rank, each written its own byte ranges of every block (whole blocks
@@ -32,9 +30,8 @@ of P's lands in those blocks any more. The bounds D counts on are D's: P takes n
 or heartbeat older than D's timeout and grants no longer lease than D states, even when its
 own settings are longer.
 
-P frees the blocks of a finished request (finished_sending) when no write is in flight and every
-reader's push completed, failed, was cancelled or declined, or the lease expired before every
-reader registered.
+P frees a finished request's blocks (finished_sending) when no write is in flight and every
+reader's push ended (completed, failed, cancelled, declined) or the lease expired first.
 """
 
 from __future__ import annotations
@@ -118,6 +115,9 @@ class PushSender:
 
     def has_pending(self) -> bool:
         return bool(self._jobs) or any(r.registrations for r in self._waiting.values())
+
+    def writes_this_step(self) -> bool:  # a prompt it pushes is computed: writes go out per layer
+        return bool(self._active)
 
     # ---------------------------------------------------------------- engine thread: steps
 

@@ -87,6 +87,9 @@ class PushWorker:
                 self.receiver.abort(req_id)
         self._expect_access()
 
+    def uses_layer_hooks(self) -> bool:
+        return self.sender is not None and self.sender.writes_this_step()
+
     def save_layer(self, layer_name: str) -> None:
         if self.sender is not None:
             self.sender.save_layer(self._layer_index[layer_name])

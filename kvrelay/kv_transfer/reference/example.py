@@ -189,6 +189,9 @@ class ExampleConnector(KVConnectorBase):
         for load in self._meta.loads:
             self._load(load)
 
+    def uses_layer_hooks(self) -> bool:
+        return bool(self.connector_metadata is not None and self._meta.saves)  # saves go layer by layer
+
     def _load(self, load: LoadSpec) -> None:
         import torch
 

@@ -176,6 +176,9 @@ class MultiConnector(KVConnectorBase):
         for child in self.connectors:
             child.start_load_kv(forward_context)
 
+    def uses_layer_hooks(self) -> bool:
+        return any(child.uses_layer_hooks() for child in self.connectors)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         for child in self.connectors:
             child.wait_for_layer_load(layer_name)

@@ -1,0 +1,102 @@
+"""The CUDA attention route: Triton kernels over the paged cache, and the buffers of captured
+decode steps.
+
+Per layer and step: `store_kv` writes this step's K/V at their slots; a decode-only step runs
+`paged_decode` (each GQA group's query heads share every K/V load, the context split across
+programs for long sequences); any other step runs `paged_prefill` over every sequence, a decode
+being a prefill of one query. Both read the blocks where they lie. Nothing here reads a device
+value on the host, so a decode step can run inside a CUDA graph: `graph_inputs` hands out the
+static buffers such a graph reads, and pads a smaller batch with rows that write no KV (slot -1)
+and read no block (length 0).
+
+Off a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests
+check this route against the torch one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvrelay.attention.backends.base import AttentionBackend, GraphInputs, PagedLayer
+from kvrelay.attention.metadata import StepBatch
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding
+    block_tables: torch.Tensor  # [S, W] int32
+    seq_lens: torch.Tensor  # [S] int32, 0 for padding
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    max_query_len: int
+    decode_only: bool
+    num_splits: int  # how many programs share one decode sequence's context
+
+
+class TritonBackend(AttentionBackend):
+    name: ClassVar[str] = "triton"
+    supports_cuda_graphs: ClassVar[bool] = True
+
+    def __init__(self, num_kv_heads: int, max_model_len: int) -> None:
+        self.num_kv_heads = num_kv_heads  # this rank's
+        self.max_model_len = max_model_len
+
+    def num_splits(self, num_seqs: int) -> int:
+        """Decode's context split, a function of the batch size alone: a kernel variant per
+        split count, so few of them (and a CUDA graph per size fixes its own)."""
+        from kvrelay.kernels.triton import decode_num_splits
+
+        return decode_num_splits(num_seqs, self.num_kv_heads, self.max_model_len)
+
+    def build_metadata(self, batch: StepBatch) -> TritonMetadata:
+        inputs = batch.device_inputs()
+        return TritonMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
+                              inputs.query_start_loc, batch.max_query_len, batch.is_decode_only,
+                              self.num_splits(batch.num_seqs))
+
+    def forward(self, layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TritonMetadata) -> torch.Tensor:
+        from kvrelay.kernels.triton import paged_decode, paged_prefill, store_kv
+
+        cache, scales = layer.kv_cache, layer.kv_scales
+        store_kv(k, v, cache, meta.slot_mapping, scales)
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)  # [T, H*D]
+        if meta.decode_only:
+            paged_decode(q, cache, meta.block_tables, meta.seq_lens, out, layer.scale, scales,
+                         num_splits=meta.num_splits)
+        else:
+            paged_prefill(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, out, layer.scale,
+                          meta.max_query_len, scales)
+        return out
+
+    def graph_inputs(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> TritonGraphInputs:
+        return TritonGraphInputs(self, max_num_seqs, max_blocks, device)
+
+
+class TritonGraphInputs(GraphInputs):
+    """Static decode buffers for up to `max_num_seqs` sequences of up to `max_blocks` blocks;
+    every captured size reads a leading slice of them."""
+
+    def __init__(self, backend: TritonBackend, max_num_seqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.backend = backend
+        self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+
+    def metadata_for(self, num_seqs: int) -> TritonMetadata:
+        n = num_seqs
+        return TritonMetadata(self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n],
+                              self.query_start_loc[:n + 1], 1, True, self.backend.num_splits(n))
+
+    def fill(self, batch: StepBatch, padded_num_seqs: int) -> None:
+        inputs, n = batch.device_inputs(), batch.num_seqs
+        width = inputs.block_tables.shape[1]
+        self.slot_mapping[:n].copy_(inputs.slot_mapping)
+        self.slot_mapping[n:padded_num_seqs].fill_(-1)
+        self.block_tables[:n, :width].copy_(inputs.block_tables)
+        self.seq_lens[:n].copy_(inputs.seq_lens)
+        self.seq_lens[n:padded_num_seqs].fill_(0)
