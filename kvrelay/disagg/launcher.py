@@ -9,7 +9,9 @@ SIGTERM to the group, SIGKILL after a grace period. Children die with the launch
 is killed outright (Linux: PR_SET_PDEATHSIG), and `stop()` also runs from atexit.
 
 Which KV connector links P and D is one small function per connector in CONNECTOR_PLANS: it
-returns the connector's `kv_connector_extra_config` and any environment the children need.
+returns the connector's `kv_connector_extra_config` and any environment the children need. Where
+each instance runs (the CPU, or which GPUs and what share of their memory) is placement.py's,
+decided when the LocalCluster is built, before anything starts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvrelay.disagg.placement import Placement, plan_devices, startup_waves, visible_gpus
 
 KV_SECRET_ENV = "KVRELAY_KV_SECRET"
 
@@ -132,6 +136,10 @@ class ClusterSpec:
     prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
     decode_tp: int = 1  # tensor_parallel_size of each decode instance
     kv_backend: str | None = None  # the Nixl connectors' transport (None: the plan's default)
+    # Where the instances run (placement.py): auto (the GPUs when there are any), cpu, cuda or
+    # cuda:N; on GPUs `gpu_memory_utilization` is split between instances that share one.
+    device: str = "auto"
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
@@ -145,12 +153,27 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads_per_instance is not None and self.threads_per_instance < 1:
             raise ValueError(f"threads_per_instance must be >= 1, got {self.threads_per_instance}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def instances(self) -> list[tuple[str, int]]:
+        """(name, tensor-parallel size) of every serve child, prefill first."""
+        return ([(f"prefill-{i}", self.prefill_tp) for i in range(self.num_prefill)]
+                + [(f"decode-{i}", self.decode_tp) for i in range(self.num_decode)])
 
     @property
     def threads(self) -> int:
         if self.threads_per_instance is not None:
             return self.threads_per_instance
         return max(1, available_cores() // (self.num_prefill + self.num_decode))
+
+
+def place_instances(spec: ClusterSpec) -> list[Placement]:
+    """Where each of the spec's instances runs on this machine (placement.py); ValueError when it
+    cannot run them as asked."""
+    gpus = [] if spec.device.strip().lower() == "cpu" else visible_gpus()
+    return plan_devices(gpus, spec.instances, spec.device, spec.gpu_memory_utilization)
 
 
 def available_cores() -> int:
@@ -265,7 +288,8 @@ def stop_children(children: list[ChildProcess], grace_period: float) -> None:
 
 
 def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
-               tensor_parallel_size: int = 1) -> list[str]:
+               tensor_parallel_size: int = 1, device_args: tuple[str, ...] = ()) -> list[str]:
+    """One instance's `kvrelay serve` command line; `device_args`: its Placement's flags."""
     argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
     if spec.model:
         argv.append(spec.model)
@@ -273,7 +297,7 @@ def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
              "--kv-transfer-config", json.dumps(transfer_config), *spec.serve_args]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    return argv
+    return argv + list(device_args)
 
 
 def wait_healthy(children: list[ChildProcess], timeout_s: float) -> None:
@@ -321,6 +345,7 @@ class LocalCluster:
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
+        self.placements = place_instances(spec)  # ValueError here, before anything starts
         self.children: list[ChildProcess] = []
         self.workdir: Path | None = None
         self.port = spec.port
@@ -361,14 +386,17 @@ class LocalCluster:
         check_port_free(spec.host, self.port)
         self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
         log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
+        # NOTE: on GPUs, the KV transfer path between instances (CUDA IPC on one host, NIXL on
+        # device memory, pinned host staging) is the connector plan's to choose, from
+        # `self.placements`: issue 33. Today every plan moves KV as it does on the CPU.
         plan = connector_plan(spec, self.workdir)
-        for index in range(spec.num_prefill):
-            self.children.append(self._instance(f"prefill-{index}", "kv_producer", plan, log_dir))
-        for index in range(spec.num_decode):
-            self.children.append(self._instance(f"decode-{index}", "kv_consumer", plan, log_dir))
-        for child in self.children:
-            child.start()
-        self._wait_healthy(self.children)
+        instances = {p.name: self._instance(p, plan, log_dir) for p in self.placements}
+        self.children.extend(instances.values())
+        for wave in startup_waves(self.placements):  # on the CPU: one wave, everything at once
+            starting = [instances[p.name] for p in wave]
+            for child in starting:
+                child.start()
+            self._wait_healthy(starting)
         proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
                       "--host", spec.host, "--port", str(self.port),
                       "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode)]
@@ -380,19 +408,20 @@ class LocalCluster:
         proxy.start()
         self._wait_healthy([proxy])
 
-    def _instance(self, name: str, kv_role: str, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
-        """One `kvrelay serve` child: its own HTTP port, kv_port and engine id."""
-        spec = self.spec
+    def _instance(self, placement: Placement, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
+        """One `kvrelay serve` child: its own HTTP port, kv_port, engine id and device."""
+        spec, name = self.spec, placement.name
         port = free_port(spec.host)
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
+        kv_role = "kv_producer" if name.startswith("prefill") else "kv_consumer"
         offload = spec.offload if kv_role == "kv_consumer" else None
         tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
         kv_port = free_port_run(spec.host, tp)  # rank r listens on kv_port + r
         self.kv_addresses[name] = f"{spec.host}:{kv_port}"
         config = kv_transfer_config(spec.connector, kv_role, engine_id, kv_port, plan, spec.host, offload)
-        env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
-        return ChildProcess(name, serve_argv(spec, port, config, tp), f"http://{spec.host}:{port}",
-                            log_dir / f"{name}.log", env)
+        env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads), **placement.env}
+        argv = serve_argv(spec, port, config, tp, placement.serve_args)
+        return ChildProcess(name, argv, f"http://{spec.host}:{port}", log_dir / f"{name}.log", env)
 
     def _wait_healthy(self, children: list[ChildProcess]) -> None:
         wait_healthy(children, self.spec.startup_timeout)

@@ -7,14 +7,16 @@ import json
 import sys
 from typing import Any
 
+from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args, given_engine_argv
+
+_PLACED_PER_INSTANCE = ("device", "gpu_memory_utilization")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "up", help="start prefill + decode instances and the proxy on this machine",
         description="Start P and D `kvrelay serve` processes and the P/D proxy on loopback ports, "
                     "wait until all are healthy, and serve until Ctrl-C.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a Hugging Face directory (default: serve's default model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
     p.add_argument("--connector", default=None,
@@ -31,11 +33,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="tensor-parallel size of each decode instance (default 1)")
     p.add_argument("--threads-per-instance", type=int, default=None,
                    help="torch threads per instance (default: the cores split evenly)")
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache bytes per instance, e.g. 1GiB")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default=None,
-                   help="KV cache format of every instance (P and D must agree): auto, float32, bfloat16, "
-                        "float16, fp8_e4m3, fp8_e5m2")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the children's logs here")
     off = p.add_argument_group("offload tiers for the decode instances (OffloadConnector)")
@@ -47,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     off.add_argument("--offload-remote-url", default=None,
                      help="shared tier: Redis, redis://host:port/db, or a Mooncake Store master, "
                           "mooncakestore://host:port (two clusters can share prefixes through it)")
+    # NOTE: defaults=False: a flag not given is not passed on, so each instance keeps serve's default.
+    add_engine_args(p, "up", defaults=False, title="engine",
+                    description="passed on to every instance (default: serve's). --device auto|cpu|cuda|"
+                                "cuda:N places the instances (auto: on the GPUs when there are any, each "
+                                "on its own while there are enough); --gpu-memory-utilization (default "
+                                "0.9) is split between instances that share a GPU.")
     p.set_defaults(func=cmd_up)
 
 
@@ -63,16 +66,12 @@ def offload_config(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def serve_args_of(args: argparse.Namespace) -> list[str]:
-    """The `kvrelay serve` flags every instance of the cluster gets from `kvrelay up`'s."""
-    serve_args: list[str] = []
-    if args.kv_cache_memory is not None:
-        serve_args += ["--kv-cache-memory", args.kv_cache_memory]
-    if args.max_num_seqs is not None:
-        serve_args += ["--max-num-seqs", str(args.max_num_seqs)]
-    if args.kv_cache_dtype is not None:  # P and D must agree: one flag sets it for both
-        from kvrelay.config import normalize_kv_cache_dtype
-        serve_args += ["--kv-cache-dtype", normalize_kv_cache_dtype(args.kv_cache_dtype)]
-    return serve_args
+    """The `kvrelay serve` flags every instance of the cluster gets from `kvrelay up`'s engine
+    flags: those given (P and D must agree on e.g. --kv-cache-dtype: one flag sets it for both).
+    --device and --gpu-memory-utilization are set per instance (kvrelay/disagg/placement.py).
+    A bad value raises ValueError naming the flag here, before any child starts."""
+    EngineArgs.from_cli_args(args).create_engine_config()
+    return given_engine_argv(args, "up", skip=_PLACED_PER_INSTANCE)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -81,13 +80,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvrelay.disagg.launcher import DEFAULT_CONNECTOR, ClusterError, ClusterSpec, LocalCluster
 
     serve_args = serve_args_of(args)
+    engine_args = EngineArgs.from_cli_args(args)
     spec = ClusterSpec(model=args.model, host=args.host, port=args.port,
                        connector=args.connector or DEFAULT_CONNECTOR,
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,
                        threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
                        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
                        offload=offload_config(args), prefill_tp=args.prefill_tp,
-                       decode_tp=args.decode_tp, kv_backend=args.kv_backend)
+                       decode_tp=args.decode_tp, kv_backend=args.kv_backend, device=engine_args.device,
+                       gpu_memory_utilization=engine_args.gpu_memory_utilization)
+    cluster = LocalCluster(spec)  # where each instance runs, or ValueError: nothing has started yet
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -95,7 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     print(f"kvrelay up: starting {spec.num_prefill} prefill + {spec.num_decode} decode instance(s), "
           f"{spec.threads} thread(s) each, connector {spec.connector} ...", flush=True)
-    cluster = LocalCluster(spec)
+    for placement in cluster.placements:
+        print(f"  {placement.name:<10} on {placement.describe()}", flush=True)
     try:
         cluster.start()
         _print_ready(cluster)

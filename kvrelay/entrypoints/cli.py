@@ -7,24 +7,12 @@ import importlib
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvrelay.config import parse_size
+from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a Hugging Face directory "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default="512MiB", help="bytes for the KV cache, e.g. 1GiB")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="what the KV cache stores: auto (the model's dtype, default), float32, "
-                        "bfloat16, float16, fp8_e4m3 (fp8), fp8_e5m2")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+if TYPE_CHECKING:
+    from kvrelay import LLM, SamplingParams
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,16 +22,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
 
 
-def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _build_llm(args: argparse.Namespace) -> LLM:
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.create_engine_config()  # bad flags fail here, naming the flag, before the model loads
+    engine_args.set_torch_threads()
     from kvrelay import LLM
-    return LLM(args.model, dtype=args.dtype, block_size=args.block_size,
-               kv_cache_memory=parse_size(args.kv_cache_memory, "--kv-cache-memory"),
-               kv_cache_dtype=args.kv_cache_dtype,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len, seed=args.seed)
+    return LLM(**engine_args.llm_kwargs())
 
 
-def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     from kvrelay import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k)
@@ -97,14 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--model", dest="model", default=None)
     gen.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                      help="send the prompt as raw text instead of a chat message")
-    _add_engine_args_no_model(gen)
+    add_engine_args(gen, "generate", model="flag")  # the prompt is the positional here
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
-    _add_engine_args(chat)
+    add_engine_args(chat, "chat")
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="a system message")
     chat.set_defaults(func=cmd_chat)
@@ -125,16 +111,6 @@ _SUBCOMMAND_MODULES = (
     "kvrelay.disagg.demo_cli",         # kvrelay demo
     "kvrelay.disagg.planner.cli",      # kvrelay profile, kvrelay plan
 )
-
-
-def _add_engine_args_no_model(p: argparse.ArgumentParser) -> None:
-    # `generate` takes the prompt positionally, so the model is a flag there.
-    _add_engine_args(p)
-    for action in p._actions:
-        if action.dest == "model" and not action.option_strings:
-            p._remove_action(action)
-            p._positionals._group_actions.remove(action)
-            break
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,9 @@ import signal
 import threading
 from typing import Any
 
+from kvrelay.config import EngineConfig
+from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
+
 logger = logging.getLogger("kvrelay.serve")
 
 _GRACEFUL_SHUTDOWN_S = 5
@@ -23,63 +26,27 @@ _GRACEFUL_SHUTDOWN_S = 5
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a Hugging Face directory "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: from the model)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: env KVRELAY_API_KEY)")
-    p.add_argument("--kv-transfer-config", default=None, help="KV connector config as a JSON object")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default="512MiB", help="bytes for the KV cache, e.g. 1GiB")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="what the KV cache stores: auto (the model's dtype, default), float32, "
-                        "bfloat16, float16, fp8_e4m3 (fp8), fp8_e5m2")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many worker processes (default 1)")
-    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
-                   help="'uni': the worker runs in the server's process (default at TP 1); "
-                        "'mp': one worker process per rank (default above TP 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads for this instance")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p, "serve")
     p.set_defaults(func=cmd_serve)
 
 
-def build_engine_config(args: argparse.Namespace) -> Any:
-    from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-    from kvrelay.kv_transfer.config import KVTransferConfig
-
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          seed=args.seed, served_model_name=args.served_model_name),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                          cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                distributed_executor_backend=args.distributed_executor_backend),
-        kv_transfer=KVTransferConfig.from_any(args.kv_transfer_config))
+def build_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The instance's EngineConfig from `serve`'s flags; ValueError naming a bad flag."""
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    config = build_engine_config(args)  # bad flags fail here, before the model loads
-
-    import torch
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()  # bad flags fail here, before the model loads
+    engine_args.set_torch_threads()
 
     from kvrelay import env
     from kvrelay.engine.async_llm import AsyncLLM

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
+
 
 def add_parser(sub: Any) -> None:
     _add_profile_parser(sub)
@@ -23,16 +25,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _add_profile_parser(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure this instance's latency model into a JSON profile")
-    p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file or a Hugging Face directory "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("-o", "--output", default="profile.json", help="where to write the profile")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads, as the instance will run")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default="512MiB")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; for tests and a first look)")
     p.add_argument("--prefill-tokens", type=_ints, default=None, help="batch token counts, e.g. 16,256,2048")
     p.add_argument("--prefill-seqs", type=_ints, default=None, help="sequences a prefill batch is split over")
@@ -56,6 +49,7 @@ def _add_profile_parser(sub: Any) -> None:
                         "the other cores, as kvrelay up's P and D do (auto: when the machine has the "
                         "cores for two instances of --threads)")
     p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p, "profile", title="engine (as the instance will run)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -71,11 +65,8 @@ def profile_grid(args: argparse.Namespace) -> Any:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from kvrelay.disagg.planner.profiler import available_cpus, run_profile
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.max_seconds <= 0:
         raise ValueError(f"--max-seconds must be > 0, got {args.max_seconds}")
     grid = profile_grid(args)
@@ -83,17 +74,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for b in backends or []:
         if b not in ("tcp", "nixl"):
             raise ValueError(f"unknown transfer backend {b!r}: use tcp and/or nixl")
-    config = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype),
-                          cache=CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory),
-                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    engine_args.set_torch_threads()
     import torch
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+
     from kvrelay.engine.llm_engine import LLMEngine
     engine = LLMEngine(config)
     threads = args.threads or torch.get_num_threads()
-    co_run = args.co_run == "on" or (args.co_run == "auto" and 2 * threads <= available_cpus())
+    # NOTE: "auto" measures a neighbour on the other cores, as `kvrelay up` runs instances on the CPU.
+    co_run = args.co_run == "on" or (args.co_run == "auto" and config.model.device == "cpu"
+                                     and 2 * threads <= available_cpus())
     profile = run_profile(engine, grid, args.max_seconds, args.threads, backends, not args.no_progress,
                           co_run=co_run)
     profile.overhead_ms = {"request": args.request_overhead_ms, "pd_hop": args.pd_hop_ms,

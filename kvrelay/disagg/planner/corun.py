@@ -66,7 +66,9 @@ def describe(slowdown: dict[str, float]) -> str:
 
 def neighbour_config(engine: Any, threads: int) -> dict[str, Any]:
     cfg = engine.config
-    return {"model": cfg.model.model, "dtype": cfg.model.dtype, "threads": threads,
+    return {"model": cfg.model.model, "dtype": cfg.model.dtype, "device": cfg.model.device,
+            "max_model_len": cfg.model.max_model_len, "attention_backend": cfg.model.attention_backend,
+            "enforce_eager": cfg.model.enforce_eager, "threads": threads,
             "block_size": cfg.cache.block_size, "kv_cache_memory": cfg.cache.kv_cache_memory,
             "cache_dtype": cfg.cache.cache_dtype, "num_blocks_override": cfg.cache.num_blocks_override,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
@@ -193,7 +195,9 @@ def neighbour_main(config: dict[str, Any]) -> None:
     threading.Thread(target=_exit_when_parent_goes, daemon=True).start()
     torch.set_num_threads(int(config["threads"]))
     engine = LLMEngine(EngineConfig(
-        model=ModelConfig(model=config["model"], dtype=config["dtype"]),
+        model=ModelConfig(model=config["model"], dtype=config["dtype"], device=config["device"],
+                          max_model_len=config["max_model_len"], enforce_eager=config["enforce_eager"],
+                          attention_backend=config["attention_backend"]),
         cache=CacheConfig(block_size=config["block_size"], kv_cache_memory=config["kv_cache_memory"],
                           cache_dtype=config["cache_dtype"],
                           num_blocks_override=config["num_blocks_override"]),

@@ -1,0 +1,231 @@
+"""The engine flags, defined once: `generate`, `chat`, `serve`, `profile` and `up` take theirs from
+ENGINE_FLAGS and build their EngineConfig (or `LLM(...)`'s arguments) through EngineArgs. Names and
+meanings are vLLM's where vLLM has the flag.
+
+    add_engine_args(parser, "serve")                  # the flags `serve` takes, with their defaults
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    config = engine_args.create_engine_config()       # ValueError naming the flag and the value
+
+A new flag is one EngineArgs field (its default), one EngineFlag (its help and the commands that
+take it) and its use: in `create_engine_config` (and `llm_kwargs` where `LLM(...)` takes it), or in
+the command that reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvrelay.config import (
+    ATTENTION_BACKENDS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    normalize_dtype,
+    normalize_kv_cache_dtype,
+    parse_size,
+)
+
+ENGINE_COMMANDS = frozenset({"generate", "chat", "serve", "profile", "up"})
+_ONE_INSTANCE = ENGINE_COMMANDS - {"up"}  # `up` has its own per-instance flags (--prefill-tp, ...)
+_RUNS_RANKS = _ONE_INSTANCE - {"profile"}  # the profiler times one in-process engine
+_MODEL_HELP = "a .gguf file or a Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What the engine flags say, with their defaults. "auto" and None are resolved by the config
+    or the engine for the device: on the CPU they are kvrelay's behaviour before GPUs."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: str | None = None  # None: 512MiB on the CPU, sized from the GPU on CUDA
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    threads: int | None = None  # None: torch's default
+    kv_transfer_config: str | None = None
+    served_model_name: str | None = None
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine flags of parsed `args`; a flag the command lacks, or left at None, keeps
+        its default here."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                 if getattr(args, f.name, None) is not None}
+        return cls(**given)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The engine's configuration. A bad value raises ValueError naming its flag and the value,
+        before anything is loaded."""
+        with _naming_the_flag():
+            if self.threads is not None and self.threads < 1:
+                raise ValueError(f"threads must be >= 1, got {self.threads}")
+            model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
+                                max_model_len=self.max_model_len, seed=self.seed,
+                                served_model_name=self.served_model_name, enforce_eager=self.enforce_eager,
+                                attention_backend=self.attention_backend)
+            kv_cache_memory = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory,
+                                                                                    "kv_cache_memory")
+            cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_cache_memory,
+                                gpu_memory_utilization=self.gpu_memory_utilization,
+                                cache_dtype=self.kv_cache_dtype)
+            scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                        max_num_batched_tokens=self.max_num_batched_tokens)
+            parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                      distributed_executor_backend=self.distributed_executor_backend)
+        from kvrelay.kv_transfer.config import KVTransferConfig
+        try:
+            kv_transfer = KVTransferConfig.from_any(self.kv_transfer_config)
+        except ValueError as e:
+            raise ValueError(f"argument --kv-transfer-config: {e}") from None
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
+                            kv_transfer=kv_transfer)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `LLM(...)` these flags ask for."""
+        names = ("model", "device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization",
+                 "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
+                 "tensor_parallel_size", "distributed_executor_backend", "enforce_eager",
+                 "attention_backend", "kv_transfer_config")
+        return {name: getattr(self, name) for name in names}
+
+    def set_torch_threads(self) -> None:
+        """--threads: torch's CPU threads for this process (nothing when not given)."""
+        if self.threads is not None:
+            import torch
+            torch.set_num_threads(self.threads)
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """One engine flag: `--dest-with-dashes`, its help, and the commands that take it."""
+
+    dest: str  # the EngineArgs field
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # a flag without a value (store_true)
+    aliases: tuple[str, ...] = ()
+    commands: frozenset[str] = ENGINE_COMMANDS
+    # The spelling `kvrelay up` passes on to its `kvrelay serve` children ("bf16" -> "bfloat16").
+    canonical: Callable[[str], str] | None = None
+
+    @property
+    def option(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == self.dest)
+
+
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("device", "where the model runs: auto (a GPU when one is visible, else the CPU), cpu, "
+                         "cuda or cuda:N"),
+    EngineFlag("dtype", "the model's dtype: auto (float32 on the CPU, the checkpoint's on a GPU), "
+                        "float32, bfloat16 or float16", canonical=normalize_dtype),
+    EngineFlag("block_size", "tokens per KV block", type=int),
+    EngineFlag("kv_cache_memory", "bytes for the KV cache, e.g. 1GiB (default: 512MiB on the CPU; on a "
+                                  "GPU what --gpu-memory-utilization leaves after the weights)"),
+    EngineFlag("gpu_memory_utilization", "the share of the GPU's memory this instance may use, in (0, 1]",
+               type=float),
+    EngineFlag("kv_cache_dtype", "what the KV cache stores: auto (the model's dtype), float32, bfloat16, "
+                                 "float16, fp8_e4m3 (fp8), fp8_e5m2", canonical=normalize_kv_cache_dtype),
+    EngineFlag("max_num_seqs", "requests in the running batch at most", type=int),
+    EngineFlag("max_num_batched_tokens", "the scheduler's token budget per step", type=int),
+    EngineFlag("max_model_len", "the context length (default: the model's)", type=int),
+    EngineFlag("seed", "seed of the engine's random sampling", type=int),
+    EngineFlag("tensor_parallel_size", "split the model over this many worker processes, one GPU each "
+                                       "on CUDA", type=int, aliases=("-tp",), commands=_RUNS_RANKS),
+    EngineFlag("distributed_executor_backend", "'uni': the worker runs in this process (default at TP 1); "
+                                               "'mp': one worker process per rank (default above TP 1)",
+               choices=("uni", "mp"), commands=_RUNS_RANKS),
+    EngineFlag("enforce_eager", "run every step eagerly: no CUDA graphs", switch=True),
+    EngineFlag("attention_backend", "the attention route: auto (cpu on the CPU, triton on CUDA), cpu "
+                                    "(native kernels), torch (the reference, any device), triton (CUDA)",
+               choices=ATTENTION_BACKENDS),
+    EngineFlag("threads", "torch CPU threads for this instance (default: torch's)", type=int,
+               commands=_ONE_INSTANCE),
+    EngineFlag("kv_transfer_config", "the KV connector's config as a JSON object",
+               commands=frozenset({"serve"})),
+    EngineFlag("served_model_name", "the model name clients send (default: from the model)",
+               commands=frozenset({"serve", "up"})),
+)
+_FLAG_OF_DEST = {flag.dest: flag for flag in ENGINE_FLAGS}
+
+
+def flags_of(command: str) -> tuple[EngineFlag, ...]:
+    """The engine flags `command` takes, in ENGINE_FLAGS' order."""
+    if command not in ENGINE_COMMANDS:
+        raise ValueError(f"unknown command {command!r}: one of {', '.join(sorted(ENGINE_COMMANDS))}")
+    return tuple(flag for flag in ENGINE_FLAGS if command in flag.commands)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, command: str,
+                    model: Literal["positional", "flag"] = "positional", defaults: bool = True,
+                    title: str = "engine", description: str | None = None) -> None:
+    """Add the model argument and `command`'s engine flags to `parser`, in a group `title`.
+    `model="flag"`: `--model` (a command whose positional is something else). `defaults=False`:
+    every flag defaults to None, "not given" (`kvrelay up` passes on only what was given)."""
+    if model == "positional":
+        parser.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
+    else:
+        parser.add_argument("--model", default=None, help=_MODEL_HELP)
+    group = parser.add_argument_group(title, description)
+    for flag in flags_of(command):
+        default = flag.default if defaults else None
+        shown = default is not None and default is not False
+        help_text = f"{flag.help} (default: {default})" if shown else flag.help
+        if flag.switch:
+            group.add_argument(flag.option, *flag.aliases, dest=flag.dest, action="store_true",
+                               default=default, help=help_text)
+        else:
+            group.add_argument(flag.option, *flag.aliases, dest=flag.dest, type=flag.type,
+                               choices=flag.choices, default=default, help=help_text)
+
+
+def given_engine_argv(args: argparse.Namespace, command: str, skip: Sequence[str] = ()) -> list[str]:
+    """`command`'s engine flags that `args` holds a value for (not None, not False), as `kvrelay
+    serve` arguments in canonical spelling; `skip` names dests left out."""
+    argv: list[str] = []
+    for flag in flags_of(command):
+        value = getattr(args, flag.dest, None)
+        if flag.dest in skip or value is None or value is False:
+            continue
+        if flag.switch:
+            argv.append(flag.option)
+        else:
+            argv += [flag.option, flag.canonical(value) if flag.canonical else str(value)]
+    return argv
+
+
+@contextlib.contextmanager
+def _naming_the_flag() -> Iterator[None]:
+    """Prefix a config error with its flag. NOTE: relies on config.py's habit of starting every
+    error with the field's name (`gpu_memory_utilization must be in (0, 1], got 1.5`), which is the
+    flag's dest; an error that starts otherwise passes through as it is."""
+    try:
+        yield
+    except ValueError as e:
+        leading = re.match(r"\w*", str(e))
+        flag = _FLAG_OF_DEST.get(leading.group() if leading else "")
+        if flag is None:
+            raise
+        raise ValueError(f"argument {'/'.join((flag.option, *flag.aliases))}: {e}") from None
