@@ -127,6 +127,16 @@ class KVCacheManager:
         free blocks are set aside for the request to hold that many tokens later (replacing
         what was set aside for it before); the allocation fails if they are not there.
         """
+        held = self._req_blocks.get(request.request_id)
+        if (held is not None and 0 <= num_new_tokens and not new_computed_blocks and not reserve_tokens
+                and not num_new_computed_tokens + num_external_computed_tokens + num_lookahead_tokens
+                and request.num_computed_tokens + num_new_tokens <= len(held) * self.block_size):
+            # NOTE: the common step (a decode in its block, a chunk in blocks it holds) takes
+            # nothing from the pool and leaves the reservation as it is: no bookkeeping to do.
+            if not delay_cache_blocks:
+                num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
+                self.cache_blocks(request, num_tokens)
+            return []
         new_computed_blocks = new_computed_blocks or []
         self._check_allocation(request, new_computed_blocks, num_new_tokens, num_new_computed_tokens,
                                num_lookahead_tokens, num_external_computed_tokens)
