@@ -62,6 +62,20 @@ class TensorParallelGroup:
             dist.barrier()
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel rank `rank` of an instance on `device`: one GPU per rank,
+    `cuda:rank` (or `cuda:N+rank` from "cuda:N"); the CPU for every rank on the CPU."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    index = (base.index or 0) + rank
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"tensor-parallel rank {rank} of an instance on {device} needs cuda:{index}, "
+                         f"but this machine has {count} GPU(s): one GPU per rank")
+    return torch.device("cuda", index)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

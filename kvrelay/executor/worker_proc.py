@@ -96,7 +96,7 @@ def _die_with_engine() -> None:
 
 
 def _start_worker(args: WorkerProcessArgs) -> Worker:
-    from kvrelay.distributed.parallel_state import init_tensor_parallel
+    from kvrelay.distributed.parallel_state import init_tensor_parallel, rank_device
     torch.set_num_threads(args.num_threads)
     config = args.plan.config
     weights = args.weights
@@ -104,8 +104,10 @@ def _start_worker(args: WorkerProcessArgs) -> Worker:
         from kvrelay.model.loader import load_model
         from kvrelay.worker.model_runner import torch_dtype
         weights = load_model(args.model_source, dtype=torch_dtype(config.model.dtype)).weights
-    tp = init_tensor_parallel(args.rank, config.parallel.tensor_parallel_size, args.init_method,
-                              torch.device(config.model.device))
+    device = rank_device(config.model.device, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NOTE: before NCCL: each rank's communicator on its own GPU
+    tp = init_tensor_parallel(args.rank, config.parallel.tensor_parallel_size, args.init_method, device)
     return Worker(args.plan, weights, tp)
 
 

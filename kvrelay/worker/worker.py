@@ -15,7 +15,7 @@ import torch
 
 from kvrelay.config import EngineConfig
 from kvrelay.core.sched_output import SchedulerOutput
-from kvrelay.distributed.parallel_state import TensorParallelGroup
+from kvrelay.distributed.parallel_state import TensorParallelGroup, rank_device
 from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, WorkerConnector
 from kvrelay.model.llama import build_model
 from kvrelay.model.sharding import shard_layout
@@ -69,7 +69,7 @@ class Worker:
         self.config = config
         self.tp = tp or TensorParallelGroup.single()
         mcfg = config.model
-        self.device = torch.device(mcfg.device)
+        self.device = rank_device(mcfg.device, self.tp.rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             self._baseline = GpuMemory.read(self.device)  # before the weights: see memory.py
