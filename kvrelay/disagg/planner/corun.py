@@ -195,9 +195,10 @@ def neighbour_main(config: dict[str, Any]) -> None:
     threading.Thread(target=_exit_when_parent_goes, daemon=True).start()
     torch.set_num_threads(int(config["threads"]))
     engine = LLMEngine(EngineConfig(
-        model=ModelConfig(model=config["model"], dtype=config["dtype"], device=config["device"],
-                          max_model_len=config["max_model_len"], enforce_eager=config["enforce_eager"],
-                          attention_backend=config["attention_backend"]),
+        model=ModelConfig(model=config["model"], dtype=config["dtype"], device=config.get("device", "auto"),
+                          max_model_len=config.get("max_model_len"),
+                          enforce_eager=config.get("enforce_eager", False),
+                          attention_backend=config.get("attention_backend", "auto")),
         cache=CacheConfig(block_size=config["block_size"], kv_cache_memory=config["kv_cache_memory"],
                           cache_dtype=config["cache_dtype"],
                           num_blocks_override=config["num_blocks_override"]),
