@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
 from kvrelay.engine.llm_engine import LLMEngine, PromptType
+from kvrelay.kv_events.config import KVEventsConfig
 from kvrelay.model.loader import LoadedModel
 from kvrelay.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
@@ -19,7 +20,8 @@ class LLM:
 
     LLM(model=None, dtype="float32", block_size=16, kv_cache_memory="512MiB", kv_cache_dtype="auto",
         max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True, seed=0,
-        kv_transfer_config=None, tensor_parallel_size=1, distributed_executor_backend=None)
+        kv_transfer_config=None, tensor_parallel_size=1, distributed_executor_backend=None,
+        kv_events_config=None)
     `kv_cache_dtype`: what the KV cache stores, independent of `dtype` (kvrelay/model/kv_format.py).
     `model=None` is the embedded SmolLM2-135M-Instruct.
     """
@@ -32,7 +34,7 @@ class LLM:
                  long_prefill_token_threshold: int = 0, num_blocks: int | None = None,
                  seed: int = 0, kv_transfer_config: Any = None, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None,
-                 loaded_model: LoadedModel | None = None) -> None:
+                 loaded_model: LoadedModel | None = None, kv_events_config: Any = None) -> None:
         kv_transfer = None
         if kv_transfer_config is not None:
             from kvrelay.kv_transfer.config import KVTransferConfig
@@ -49,7 +51,7 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend),
-            kv_transfer=kv_transfer)
+            kv_transfer=kv_transfer, kv_events=KVEventsConfig.from_any(kv_events_config))
         self.engine = LLMEngine(config, loaded=loaded_model)
 
     @property

@@ -15,6 +15,7 @@ from kvrelay.engine.kv_setup import build_kv_setup
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.executor import create_executor
+from kvrelay.kv_events.base import EventPublisher
 from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.protocols import SchedulerConnector
 from kvrelay.model.loader import LoadedModel, load_model
@@ -52,7 +53,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(config)
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.spec.eos_token_ids)))
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len,
-                                   self._build_scheduler_connector(config))
+                                   self._build_scheduler_connector(config),
+                                   self._build_event_publisher(config))
         plan = WorkerPlan(config=config, spec=self.spec, num_blocks=self.num_blocks,
                           eos_token_ids=self.eos_token_ids, kv=self.kv)
         # NOTE: "mp" workers load a model path themselves (memory-mapped); an in-memory model's
@@ -106,6 +108,12 @@ class LLMEngine:
         connector: SchedulerConnector = create_connector(config, KVConnectorRole.SCHEDULER,
                                                          self.kv_cache_spec())
         return connector
+
+    def _build_event_publisher(self, config: EngineConfig) -> EventPublisher | None:
+        if config.kv_events is None or not config.kv_events.publishes:
+            return None
+        from kvrelay.kv_events.zmq_publisher import create_publisher
+        return create_publisher(config.kv_events)
 
     def kv_cache_spec(self) -> Any:
         """The KVCacheSpec of one rank's cache."""
@@ -198,6 +206,7 @@ class LLMEngine:
         """Stop the workers and the connectors' threads and transports. Idempotent; the engine is
         unusable after."""
         self.scheduler.connector.shutdown()
+        self.scheduler.kv_event_publisher.shutdown()
         self.executor.shutdown()
 
     # ----------------------------------------------------------------------------- introspection

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE ending in
 `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health,
-GET /metrics, and FastAPI's GET /openapi.json and /docs.
+GET /metrics, GET /kv_events (where this instance publishes its KV cache events, for a router),
+and FastAPI's GET /openapi.json and /docs.
 
 Parallel sampling (`n`) and prompt lists: a list in /v1/completions becomes one engine request
 per prompt (ids `<id>-<k>`), each with n choices; choice j of prompt k has index k * n + j, and
@@ -312,6 +313,16 @@ class OpenAIServer:
                 raise APIError(400, f"tokens[{i}]={tok} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.async_llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    def kv_events(self) -> dict[str, Any]:
+        """Where this instance publishes KV events (docs/routing.md): a router subscribes there.
+        A wildcard host (tcp://*:5557) means "this instance's host"."""
+        engine = self.async_llm.engine
+        config = engine.config.kv_events
+        if config is None or not config.publishes:
+            return {"enabled": False}
+        return {"enabled": True, "endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
+                "topic": config.topic, "block_size": engine.config.cache.block_size}
+
     def health(self) -> JSONResponse:
         reason = self.async_llm.dead_reason
         if reason is not None:
@@ -368,6 +379,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
+
+    @app.get("/kv_events", dependencies=auth)
+    async def kv_events() -> dict[str, Any]:
+        return server.kv_events()
 
     @app.get("/health")
     async def health() -> JSONResponse:

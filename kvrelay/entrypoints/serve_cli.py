@@ -34,6 +34,10 @@ def add_parser(sub: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: env KVRELAY_API_KEY)")
     p.add_argument("--kv-transfer-config", default=None, help="KV connector config as a JSON object")
+    p.add_argument("--kv-events-config", default=None,
+                   help="publish KV cache events (vLLM's flag and keys), a JSON object, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}' (see docs/routing.md)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default="512MiB", help="bytes for the KV cache, e.g. 1GiB")
     p.add_argument("--kv-cache-dtype", default="auto",
@@ -56,6 +60,7 @@ def add_parser(sub: Any) -> None:
 
 def build_engine_config(args: argparse.Namespace) -> Any:
     from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from kvrelay.kv_events.config import KVEventsConfig
     from kvrelay.kv_transfer.config import KVTransferConfig
 
     return EngineConfig(
@@ -67,7 +72,8 @@ def build_engine_config(args: argparse.Namespace) -> Any:
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend),
-        kv_transfer=KVTransferConfig.from_any(args.kv_transfer_config))
+        kv_transfer=KVTransferConfig.from_any(args.kv_transfer_config),
+        kv_events=KVEventsConfig.from_any(args.kv_events_config))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
