@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
+from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
 from kvrelay.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -151,18 +152,14 @@ class OpenAIServer:
         return await self._generate(request, req, [prompt], params, ctx)
 
     def _render_chat(self, messages: list[Any], add_generation_prompt: bool) -> str:
-        return str(self.async_llm.engine.tokenizer.apply_chat_template(
-            [m.as_template_input() for m in messages], add_generation_prompt=add_generation_prompt))
+        return chat_prompt_text(self.async_llm.engine.tokenizer, messages, add_generation_prompt)
 
     def _prompt(self, prompt: str | list[int], max_tokens: int | None, max_param: str, param: str,
                 add_special_tokens: bool, truncate: int | None = None) -> dict[str, Any]:
         """Tokenize and check one prompt against the context: the prompt must leave room for one
         output token, and for all of `max_tokens` when that is set (vLLM's rules and wording).
         `truncate` (truncate_prompt_tokens) keeps the prompt's last tokens; -1 all that fit."""
-        if isinstance(prompt, str):
-            token_ids = self.async_llm.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            token_ids = list(prompt)
+        token_ids = encode_prompt(self.async_llm.engine.tokenizer, prompt, add_special_tokens)
         limit = self.async_llm.max_model_len
         if truncate is not None:
             fits = limit - (max_tokens if max_tokens is not None else 1)
