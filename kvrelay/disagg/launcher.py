@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from typing import Any
 import httpx
 
 KV_SECRET_ENV = "KVRELAY_KV_SECRET"
+KV_ADMIN_ENV = "KVRELAY_ADMIN_KEY"
 
 
 class ClusterError(RuntimeError):
@@ -132,6 +134,10 @@ class ClusterSpec:
     prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
     decode_tp: int = 1  # tensor_parallel_size of each decode instance
     kv_backend: str | None = None  # the Nixl connectors' transport (None: the plan's default)
+    prefill_routing: str = "least-loaded"  # the proxy's policies (kvrelay.disagg.routing)
+    decode_routing: str = "least-loaded"
+    # The proxy's admin API key (None: off); `kvrelay up --admin` makes one.
+    admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
@@ -265,15 +271,24 @@ def stop_children(children: list[ChildProcess], grace_period: float) -> None:
 
 
 def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
-               tensor_parallel_size: int = 1) -> list[str]:
+               tensor_parallel_size: int = 1, events_config: dict[str, Any] | None = None) -> list[str]:
     argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
     if spec.model:
         argv.append(spec.model)
     argv += ["--host", spec.host, "--port", str(port), "--threads", str(spec.threads),
              "--kv-transfer-config", json.dumps(transfer_config), *spec.serve_args]
+    if events_config is not None:
+        argv += ["--kv-events-config", json.dumps(events_config)]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return argv
+
+
+def kv_events_config(events_dir: Path, name: str) -> dict[str, Any]:
+    """One instance's --kv-events-config: PUB and replay sockets on ipc:// paths in the cluster's
+    directory (local by construction), which the proxy finds through the instance's /kv_events."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{events_dir}/{name}.pub",
+            "replay_endpoint": f"ipc://{events_dir}/{name}.replay", "topic": "kv-events"}
 
 
 def wait_healthy(children: list[ChildProcess], timeout_s: float) -> None:
@@ -326,6 +341,10 @@ class LocalCluster:
         self.port = spec.port
         self.kv_addresses: dict[str, str] = {}  # child name -> "kv_ip:kv_port"
         self._stopped = False
+        self._plan: ConnectorPlan | None = None
+        self._log_dir: Path | None = None
+        self._counts = {"prefill": 0, "decode": 0}  # instances ever started, for their names
+        self._lock = threading.Lock()  # children change while `kvrelay up --admin` runs
 
     @property
     def url(self) -> str:
@@ -333,11 +352,15 @@ class LocalCluster:
 
     @property
     def prefill(self) -> list[ChildProcess]:
-        return [c for c in self.children if c.name.startswith("prefill")]
+        return [c for c in list(self.children) if c.name.startswith("prefill")]
 
     @property
     def decode(self) -> list[ChildProcess]:
-        return [c for c in self.children if c.name.startswith("decode")]
+        return [c for c in list(self.children) if c.name.startswith("decode")]
+
+    @property
+    def proxy(self) -> ChildProcess | None:
+        return next((c for c in list(self.children) if c.name == "proxy"), None)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -360,29 +383,39 @@ class LocalCluster:
             self.port = free_port(spec.host)
         check_port_free(spec.host, self.port)
         self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
-        log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
-        plan = connector_plan(spec, self.workdir)
-        for index in range(spec.num_prefill):
-            self.children.append(self._instance(f"prefill-{index}", "kv_producer", plan, log_dir))
-        for index in range(spec.num_decode):
-            self.children.append(self._instance(f"decode-{index}", "kv_consumer", plan, log_dir))
+        self._log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
+        (self.workdir / "events").mkdir()
+        self._plan = plan = connector_plan(spec, self.workdir)
+        for _ in range(spec.num_prefill):
+            self.children.append(self._instance("prefill"))
+        for _ in range(spec.num_decode):
+            self.children.append(self._instance("decode"))
         for child in self.children:
             child.start()
         self._wait_healthy(self.children)
         proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
                       "--host", spec.host, "--port", str(self.port),
-                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode)]
+                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode),
+                      "--prefill-routing", spec.prefill_routing, "--decode-routing", spec.decode_routing]
+        if spec.model and "kv-aware" in (spec.prefill_routing, spec.decode_routing):
+            proxy_argv += ["--model", spec.model]  # its tokenizer hashes prompts
         if plan.transfer_mode == "push":
             proxy_argv += ["--transfer-mode", "push",
                            "--prefill-kv", *(self.kv_addresses[c.name] for c in self.prefill)]
-        proxy = ChildProcess("proxy", proxy_argv, self.url, log_dir / "proxy.log")
+        # NOTE: the admin key travels in the environment, never in argv (ps shows argv).
+        env = {KV_ADMIN_ENV: spec.admin_key} if spec.admin_key else {}
+        proxy = ChildProcess("proxy", proxy_argv, self.url, self._log_dir / "proxy.log", env)
         self.children.append(proxy)
         proxy.start()
         self._wait_healthy([proxy])
 
-    def _instance(self, name: str, kv_role: str, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
-        """One `kvrelay serve` child: its own HTTP port, kv_port and engine id."""
-        spec = self.spec
+    def _instance(self, role: str) -> ChildProcess:
+        """One `kvrelay serve` child: its own HTTP port, kv_port, engine id and KV event sockets."""
+        spec, plan = self.spec, self._plan
+        assert plan is not None and self._log_dir is not None and self.workdir is not None
+        name = f"{role}-{self._counts[role]}"
+        self._counts[role] += 1
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
         port = free_port(spec.host)
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
         offload = spec.offload if kv_role == "kv_consumer" else None
@@ -391,18 +424,54 @@ class LocalCluster:
         self.kv_addresses[name] = f"{spec.host}:{kv_port}"
         config = kv_transfer_config(spec.connector, kv_role, engine_id, kv_port, plan, spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads)}
-        return ChildProcess(name, serve_argv(spec, port, config, tp), f"http://{spec.host}:{port}",
-                            log_dir / f"{name}.log", env)
+        argv = serve_argv(spec, port, config, tp, kv_events_config(self.workdir / "events", name))
+        return ChildProcess(name, argv, f"http://{spec.host}:{port}", self._log_dir / f"{name}.log", env)
+
+    def start_instance(self, role: str) -> ChildProcess:
+        """Start one more prefill or decode instance and wait until it is healthy (the caller
+        then adds it to the proxy's pool). ClusterError, with its log, if it does not start.
+        NOTE: call it from a thread that lives as long as the cluster: the child gets SIGTERM
+        when the thread that started it ends (PR_SET_PDEATHSIG follows the thread)."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        with self._lock:
+            child = self._instance(role)
+            self.children.append(child)
+        child.start()
+        try:
+            self._wait_healthy([child])
+        except ClusterError:
+            self.stop_instance(child)
+            raise
+        return child
+
+    def stop_instance(self, child: ChildProcess) -> None:
+        """Stop one instance (drained from the proxy's pool first) and forget it."""
+        with self._lock:
+            if child in self.children:
+                self.children.remove(child)
+        stop_children([child], self.spec.grace_period)
+
+    def find(self, url: str) -> ChildProcess | None:
+        return next((c for c in list(self.children) if c.url == url.rstrip("/")), None)
 
     def _wait_healthy(self, children: list[ChildProcess]) -> None:
         wait_healthy(children, self.spec.startup_timeout)
 
-    def wait_for_exit(self, poll_interval: float = 0.5) -> ChildProcess:
-        """Block until some child exits; returns it (the caller then stops the rest)."""
+    def wait_for_exit(self, poll_interval: float = 0.5, instances_may_exit: bool = False) -> ChildProcess:
+        """Block until some child exits; returns it (the caller then stops the rest). With
+        `instances_may_exit` (a pool the proxy manages), an instance that exits is reported and
+        forgotten, the proxy's health checks route around it, and only the proxy's exit returns."""
         while True:
-            for child in self.children:
-                if child.exit_code() is not None:
+            for child in list(self.children):
+                if child.exit_code() is None:
+                    continue
+                if not instances_may_exit or child.name == "proxy":
                     return child
+                print(f"kvrelay up: {child.name} ({child.url}) exited with code {child.exit_code()}; the "
+                      f"proxy routes around it. Last lines of its log:\n{child.log_tail()}", file=sys.stderr,
+                      flush=True)
+                self.stop_instance(child)
             time.sleep(poll_interval)
 
     def stop(self) -> None:
