@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from kvrelay.disagg.routing.policies import DEFAULT_POLICY
+
 KV_SECRET_ENV = "KVRELAY_KV_SECRET"
 KV_ADMIN_ENV = "KVRELAY_ADMIN_KEY"
 
@@ -134,8 +136,8 @@ class ClusterSpec:
     prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
     decode_tp: int = 1  # tensor_parallel_size of each decode instance
     kv_backend: str | None = None  # the Nixl connectors' transport (None: the plan's default)
-    prefill_routing: str = "least-loaded"  # the proxy's policies (kvrelay.disagg.routing)
-    decode_routing: str = "least-loaded"
+    prefill_routing: str = DEFAULT_POLICY  # the proxy's policies (kvrelay.disagg.routing)
+    decode_routing: str = DEFAULT_POLICY
     # The proxy's admin API key (None: off); `kvrelay up --admin` makes one.
     admin_key: str | None = field(default=None, repr=False)
 

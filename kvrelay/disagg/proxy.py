@@ -96,16 +96,10 @@ class DisaggProxy:
         self.prefill, self.decode = self.manager.prefill, self.manager.decode
         self.metrics = ProxyMetrics()
         self.metrics.watch_pools(self.manager)
-        self.prompts = PromptReader(self._tokenizer() if config.kv_aware else None)
+        self.prompts = PromptReader.for_model(config.model, config.tokenizer) if config.kv_aware \
+            else PromptReader(None)
         self._client: httpx.AsyncClient | None = None
         self._prefill_tasks: set[asyncio.Task[None]] = set()  # push mode: legs nobody awaits
-
-    def _tokenizer(self) -> Any:
-        if self.config.tokenizer is not None:
-            return self.config.tokenizer
-        from kvrelay.model.loader import load_tokenizer
-
-        return load_tokenizer(self.config.model)
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.config.max_connections,
@@ -114,6 +108,10 @@ class DisaggProxy:
         # NOTE: no env proxies (trust_env=False): legs go straight to the loopback backends.
         self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
         await self.manager.start(self._client)
+        urls = [b.url for b in self.manager.members()]
+        if not await self.prompts.agrees_with(self._client, urls, self.headers("kvrelay-tokenizer-check"),
+                                              self.config.health_timeout):
+            self.prompts = PromptReader(None)
 
     async def close(self) -> None:
         for task in list(self._prefill_tasks):

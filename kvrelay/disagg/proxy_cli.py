@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from kvrelay.disagg.routing.policies import POLICIES
-
-DEFAULT_ROUTING = "least-loaded"
+from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     """--routing / --prefill-routing / --decode-routing, shared by `kvrelay proxy` and `kvrelay up`."""
     g = p.add_argument_group("routing (docs/routing.md)")
     g.add_argument("--routing", choices=POLICIES, default=None,
-                   help=f"how both pools pick an instance (default {DEFAULT_ROUTING}): kv-aware weighs each "
+                   help=f"how both pools pick an instance (default {DEFAULT_POLICY}): kv-aware weighs each "
                         "instance's cached prefix of the prompt (from its KV events) against its load")
     g.add_argument("--prefill-routing", choices=POLICIES, default=None,
                    help="the prefill pool's policy (default: --routing)")
@@ -23,7 +21,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
 
 def routing_of(args: argparse.Namespace) -> tuple[str, str]:
     """(prefill policy, decode policy) from the routing flags."""
-    both = args.routing or DEFAULT_ROUTING
+    both = args.routing or DEFAULT_POLICY
     return args.prefill_routing or both, args.decode_routing or both
 
 

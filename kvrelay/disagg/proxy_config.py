@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.disagg.routing.policies import POLICIES
+from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,8 @@ class ProxyConfig:
     transfer_mode: str = "pull"
     prefill_kv_addresses: tuple[str, ...] = ()
     # Routing (kvrelay.disagg.routing.policies): per role, one of POLICIES.
-    prefill_routing: str = "least-loaded"
-    decode_routing: str = "least-loaded"
+    prefill_routing: str = DEFAULT_POLICY
+    decode_routing: str = DEFAULT_POLICY
     # kv-aware routing tokenizes prompts with this model's tokenizer (None: the default model);
     # `tokenizer`, when given, is used instead (a kvrelay Tokenizer).
     model: str | None = None

@@ -41,6 +41,7 @@ class FakeEngine:
     num_chunks: int = 3
     stop_on_first_token: bool = False  # P's one token is the end of sequence
     healthy: bool = True
+    tokenizes_differently: bool = False  # its /tokenize disagrees with the proxy's tokenizer
     cached: set[bytes] = field(default_factory=set)
     requests: list[dict[str, Any]] = field(default_factory=list)
     answered: int = 0
@@ -92,6 +93,13 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> Response:
             return Response(status_code=200 if self.healthy else 503)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> dict[str, Any]:
+            body = await request.json()
+            route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            tokens = request_prompt_token_ids(self.tokenizer, route, body) or []
+            return {"tokens": [t + 1 for t in tokens] if self.tokenizes_differently else tokens}
 
         @app.get("/kv_events")
         async def kv_events() -> dict[str, Any]:

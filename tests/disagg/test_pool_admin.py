@@ -146,7 +146,7 @@ def test_draining_an_instance_twice_is_409_while_it_still_has_work() -> None:
 
 
 def test_a_new_decode_instance_takes_requests_and_a_drained_one_finishes_first() -> None:
-    d1 = FakeBackend("D1", chunk_delay=0.3, num_chunks=6)
+    d1 = FakeBackend("D1", chunk_delay=0.5, num_chunks=20)  # busy long enough for the checks below
     d2 = FakeBackend("D2")
     with pool([FakeBackend("P")], [d1]) as (url, urls, stack):
         chunks: list[str] = []
@@ -169,7 +169,7 @@ def test_a_new_decode_instance_takes_requests_and_a_drained_one_finishes_first()
         assert len(d1.requests) == 1 and len(d2.requests) == 3  # no new leg for the draining one
         assert members(url)[urls["D1"]]["in_flight"] == 1
         reader.join(timeout=30)
-        assert chunks[-1] == "data: [DONE]" and len(chunks) == 7  # the drained instance finished it
+        assert chunks[-1] == "data: [DONE]" and len(chunks) == 21  # the drained instance finished it
         wait_for(lambda: urls["D1"] not in members(url), what="the drained instance to leave")
         assert metric(url, "kvrelay_proxy_pool_instances", role="decode", state="active") == 1
         assert metric(url, "kvrelay_proxy_pool_instances", role="decode", state="draining") == 0

@@ -188,13 +188,15 @@ def test_a_fresh_prefix_is_expected_where_it_was_sent_and_a_silent_index_goes_st
         complete(url, prompt("t91"))  # right after: the first leg's blocks are still expected there
         first = p0 if p0.requests else p1
         assert len(first.requests) == 2
-        assert metric(url, "kvrelay_proxy_routing_decisions_total", reason="prefix_hit") == 1
+        assert metric(url, "kvrelay_proxy_routing_decisions_total", role="prefill",
+                      reason="prefix_hit") == 1
         assert metric(url, "kvrelay_proxy_prefix_predictions_total", outcome="exact") == 2
         # It computed new blocks twice, and no event says so: its index is not trusted any more.
         wait_for(lambda: metric(url, "kvrelay_proxy_kv_index_usable", backend=urls[first.name]) == 0,
                  what="the silent instance's index to go stale")
         complete(url, prompt("t92"))  # the other one holds nothing: no hit anywhere, like the first
-        assert metric(url, "kvrelay_proxy_routing_decisions_total", reason="no_prefix_hit") == 2
+        assert metric(url, "kvrelay_proxy_routing_decisions_total", role="prefill",
+                      reason="no_prefix_hit") == 2
 
 
 def test_instances_without_kv_events_are_routed_by_load_and_the_metric_says_so() -> None:
@@ -207,8 +209,27 @@ def test_instances_without_kv_events_are_routed_by_load_and_the_metric_says_so()
         assert metric(url, "kvrelay_proxy_kv_index_usable") == 0
 
 
+def test_instances_of_another_model_are_routed_by_load(tmp_path: Path) -> None:
+    p, d = FakeEngine("P", tmp_path, tokenizes_differently=True), FakeEngine("D", tmp_path)
+    with proxy_over([p], [d], prefill_routing="kv-aware") as (url, proxy, _):
+        assert proxy.prompts.tokenizer is None  # the instances' /tokenize disagreed at start
+        complete(url, prompt("t90"))
+        assert metric(url, "kvrelay_proxy_routing_decisions_total", role="prefill",
+                      reason="prompt_not_hashable") == 1
+
+
+def test_instances_that_tokenize_alike_keep_kv_aware_routing(tmp_path: Path) -> None:
+    p, d = FakeEngine("P", tmp_path), FakeEngine("D", tmp_path)
+    with proxy_over([p], [d], prefill_routing="kv-aware") as (url, proxy, _):
+        assert proxy.prompts.tokenizer is not None
+        complete(url, prompt("t90"))
+        assert metric(url, "kvrelay_proxy_routing_decisions_total", role="prefill",
+                      reason="no_prefix_hit") == 1
+
+
 def test_a_prompt_the_proxy_cannot_tokenize_is_routed_by_load(tmp_path: Path) -> None:
     p, d = FakeEngine("P", tmp_path), FakeEngine("D", tmp_path)
     with proxy_over([p], [d], prefill_routing="kv-aware") as (url, _, _):
         complete(url, "t5 t6", truncate_prompt_tokens=1)  # its tokens depend on D's context length
-        assert metric(url, "kvrelay_proxy_routing_decisions_total", reason="prompt_not_hashable") == 1
+        assert metric(url, "kvrelay_proxy_routing_decisions_total", role="prefill",
+                      reason="prompt_not_hashable") == 1

@@ -2,9 +2,9 @@
 
     round-robin   each active instance in turn
     least-loaded  the fewest legs in flight from this proxy; round-robin among equals
-    kv-aware      prefill: the least predicted work, i.e. the prompt tokens the instance would
-                  compute (its cached prefix, from the KV index, not counted) plus the tokens
-                  still to compute of the legs already sent there; decode: the fewest legs in
+    kv-aware      prefill: the least predicted cost, i.e. the tokens still to compute of the
+                  legs already sent to the instance, plus twice the prompt tokens it would
+                  compute (its cached prefix, from the KV index, not counted); decode: the fewest legs in
                   flight, and among equals the longest cached prefix (D computes one token,
                   so its cache saves transfer, not compute). An instance whose index is
                   unusable counts as caching nothing; with no usable index at all the choice is
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kvrelay.disagg.backends import Backend
 
 POLICIES = ("kv-aware", "least-loaded", "round-robin")
+DEFAULT_POLICY = "kv-aware"  # it won benchmarks/bench_routing.py (docs/benchmarks/routing.md)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,12 @@ class KVAware(RoutingPolicy):
         rotated = self._least_loaded.rotated(candidates)  # equals take turns
         known = {url: hit or 0 for url, hit in hits.items()}
         if self.role == "prefill":
-            backend = min(rotated, key=lambda b: b.queued_tokens + prompt.num_tokens - known[b.url])
+            # NOTE: the cost of a leg on an instance is the wait for the legs queued there plus
+            # its own compute twice: once for its own first token, once more for the legs that
+            # will queue behind it. Weighing the queue alone against one compute sends a prompt
+            # away from its cached prefix whenever that instance is busy, and the prefix is then
+            # computed again: more work for the whole pool, and longer queues for everyone.
+            backend = min(rotated, key=lambda b: b.queued_tokens + 2 * (prompt.num_tokens - known[b.url]))
         else:
             backend = min(rotated, key=lambda b: (b.in_flight, -known[b.url]))
         best = max(known.values())

@@ -7,13 +7,24 @@ The proxy tokenizes with the model's own tokenizer and the server's own code
 
 from __future__ import annotations
 
+import logging
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.block_hash import hash_token_blocks
 
 if TYPE_CHECKING:
+    import httpx
+
     from kvrelay.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# What the proxy and an instance must tokenize alike (the chat template included).
+TOKENIZER_PROBES = (
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "kvrelay: the KV cache, 1 2 3!"}]}),
+    ("/v1/completions", {"prompt": "kvrelay: the KV cache, 1 2 3!"}),
+)
 
 
 class PromptBlocks:
@@ -50,9 +61,55 @@ class PromptReader:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
 
+    @classmethod
+    def for_model(cls, model: str | None, tokenizer: Tokenizer | None = None) -> PromptReader:
+        """With `tokenizer`, or `model`'s (None: the default model's). Without one (the default
+        model's cannot be loaded) prompts are not hashed; an explicit model that fails is an error."""
+        if tokenizer is not None:
+            return cls(tokenizer)
+        from kvrelay.model.loader import load_tokenizer
+
+        try:
+            return cls(load_tokenizer(model))
+        except (FileNotFoundError, ValueError) as e:
+            if model is not None:
+                raise
+            logger.warning("kv-aware routing: no tokenizer (%s); pass --model: routing by load", e)
+            return cls(None)
+
+    async def agrees_with(self, client: httpx.AsyncClient, urls: list[str], headers: dict[str, str],
+                          timeout: float) -> bool:
+        """Whether the instances tokenize as this reader does: the first one whose /tokenize
+        answers the probes must give the same tokens. A different model would never match a
+        prefix: the caller then routes by load (this says why in the log)."""
+        if self.tokenizer is None:
+            return True
+        for url in urls:
+            answers = [await _tokenize(client, url, probe, headers, timeout) for _, probe in TOKENIZER_PROBES]
+            if any(a is None for a in answers):
+                continue  # this instance cannot tell (no /tokenize, no chat template): the next
+            if answers != [self.read(route, probe).token_ids for route, probe in TOKENIZER_PROBES]:
+                logger.warning("kv-aware routing: %s tokenizes differently from the proxy's tokenizer "
+                               "(pass the served model as --model): routing by load", url)
+                return False
+            return True
+        return True
+
     def read(self, route: str, body: dict[str, Any]) -> PromptBlocks:
         if self.tokenizer is None:
             return PromptBlocks(None)
         from kvrelay.entrypoints.prompt_tokens import request_prompt_token_ids
 
         return PromptBlocks(request_prompt_token_ids(self.tokenizer, route, body))
+
+
+async def _tokenize(client: httpx.AsyncClient, url: str, probe: dict[str, Any], headers: dict[str, str],
+                    timeout: float) -> list[int] | None:
+    import httpx
+
+    try:
+        answer = await client.post(url + "/tokenize", json=probe, headers=headers, timeout=timeout)
+        tokens = answer.json().get("tokens") if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return tokens if isinstance(tokens, list) else None
