@@ -160,6 +160,8 @@ class PoolManager:
                 backend.state = InstanceState.ACTIVE
                 logger.info("%s instance %s answers again: back in the pool", backend.role, backend.url)
                 await self._track_index(backend)  # it may have restarted with an empty cache
+            elif backend.events is None and self.index is not None:
+                await self._track_index(backend)  # it did not say where it publishes: ask again
             return
         backend.health_failures += 1
         timed_out = error == "timeout"
@@ -177,11 +179,15 @@ class PoolManager:
     # ------------------------------------------------------------------ KV events
 
     async def _track_index(self, backend: Backend) -> None:
+        """Start the instance's index empty and follow its events (asking where it publishes
+        if nobody said so)."""
         if self.index is None or self.subscriber is None:
             return
         block_size = None
         if backend.events is None:
             backend.events, block_size = await self._discover_events(backend.url)
+            if backend.events is None and self.index.status(backend.url).reason == "no events endpoint":
+                return  # asked before, still nothing: keep the entry (and the log quiet)
         self.index.track(backend.url, subscribed=backend.events is not None, block_size=block_size)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
@@ -200,8 +206,9 @@ class PoolManager:
         except (httpx.HTTPError, ValueError):
             answer = {}
         if not isinstance(answer, dict) or not answer.get("enabled") or not answer.get("endpoint"):
-            logger.warning("%s publishes no KV events (GET /kv_events): kv-aware routing weighs it by "
-                           "load alone", url)
+            if self.index is not None and self.index.status(url).reason != "no events endpoint":
+                logger.warning("%s publishes no KV events (GET /kv_events): kv-aware routing weighs it "
+                               "by load alone", url)
             return None, None
         host = urlsplit(url).hostname or "127.0.0.1"
         replay = answer.get("replay_endpoint")
