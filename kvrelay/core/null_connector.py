@@ -37,6 +37,9 @@ class NullSchedulerConnector:
     def take_stats(self) -> dict[str, float]:
         return {}
 
+    def take_events(self) -> list[Any]:
+        return []
+
     def shutdown(self) -> None:
         return None
 

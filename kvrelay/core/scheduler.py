@@ -50,6 +50,7 @@ class Scheduler:
         self.block_size = config.cache.block_size
         # KV events: the block pool logs its changes, one batch per step goes to the publisher.
         self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
+        self._publishes_events = kv_event_publisher is not None
         events = NULL_KV_EVENT_LOG if kv_event_publisher is None else KVEventLog(self.block_size)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, enable_caching=config.cache.enable_prefix_caching, events=events)
@@ -311,8 +312,11 @@ class Scheduler:
         return outputs
 
     def publish_kv_events(self) -> None:
-        """Hand this step's KV events (stores, evictions, clears) to the publisher as one batch."""
-        events = self.kv_cache_manager.take_events()
+        """Hand this step's KV events (stores, evictions, clears: of the KV cache, and of the
+        connector's tiers) to the publisher as one batch."""
+        if not self._publishes_events:
+            return
+        events = self.kv_cache_manager.take_events() + self.connector.take_events()
         if events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
