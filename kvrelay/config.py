@@ -218,6 +218,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: Any = None  # KVTransferConfig | None (kvrelay.kv_transfer.config)
+    kv_events: Any = None  # KVEventsConfig | None (kvrelay.kv_events.config)
 
 
 def _triton_interpreted() -> bool:

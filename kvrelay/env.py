@@ -8,6 +8,7 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 | `KVRELAY_CACHE_DIR` | `~/.cache/kvrelay` | converted models (`models/`) and other disk caches |
 | `KVRELAY_API_KEY`   | unset              | key `kvrelay serve` requires as `Authorization: Bearer` |
 | `KVRELAY_KV_SECRET` | unset              | P/D cluster secret (>= 16 chars); `secret_file` wins |
+| `KVRELAY_ADMIN_KEY` | unset              | key of the proxy's admin API (`kvrelay proxy`, `kvrelay pool`) |
 | `KVRELAY_NATIVE_KERNELS` | `1`           | `0`: never compile/use the native C kernels        |
 | `KVRELAY_NATIVE_ARCH` | `native`         | their build target: `native`, `haswell` (AVX2) or `generic` |
 """
@@ -30,6 +31,11 @@ def cache_dir() -> Path:
 def api_key() -> str | None:
     """The key `kvrelay serve` requires when `--api-key` is not given (`KVRELAY_API_KEY`), or None."""
     return os.environ.get("KVRELAY_API_KEY") or None
+
+
+def admin_key() -> str | None:
+    """The key of the proxy's admin API when `--admin-key` is not given (`KVRELAY_ADMIN_KEY`), or None."""
+    return os.environ.get("KVRELAY_ADMIN_KEY") or None
 
 
 def kv_secret() -> str | None:

@@ -43,11 +43,22 @@ def update_block_hashes(request: Request, block_size: int, extra: bytes | None =
     Incremental: only blocks completed since the last call are hashed. `extra` (a salt, e.g.
     a model or tenant id) must be the same on every call for a given request.
     """
-    hashes = request.block_hashes
-    tokens = request.all_token_ids
-    num_full_blocks = len(tokens) // block_size
+    return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, extra)
+
+
+def hash_token_blocks(token_ids: Sequence[int], block_size: int, extra: bytes | None = None) -> list[bytes]:
+    """The chained hashes of every full block of `token_ids`, exactly as an engine with this
+    block size computes them for a prompt: what a router compares with an instance's KV events."""
+    return extend_block_hashes([], token_ids, block_size, extra)
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        extra: bytes | None = None) -> list[bytes]:
+    """Append to `hashes` (those of the leading blocks of `token_ids`) the hashes of the full
+    blocks after them; returns `hashes`."""
+    num_full_blocks = len(token_ids) // block_size
     for block_index in range(len(hashes), num_full_blocks):
         parent_hash = hashes[block_index - 1] if block_index > 0 else None
         start = block_index * block_size
-        hashes.append(hash_block_tokens(parent_hash, tokens[start:start + block_size], extra))
+        hashes.append(hash_block_tokens(parent_hash, token_ids[start:start + block_size], extra))
     return hashes

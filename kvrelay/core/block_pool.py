@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvrelay.core.kv_event_log import NULL_KV_EVENT_LOG, NullKVEventLog
+
 
 @dataclass(eq=False, slots=True)
 class KVCacheBlock:
@@ -84,10 +86,12 @@ class BlockPool:
 
     NOTE: a hash maps to at most one block. When two requests computed the same content into
     different blocks, both blocks carry the hash but only the first published one is in the
-    map; the map entry is dropped only by the block it points at.
+    map; the map entry is dropped only by the block it points at. KV events (`events`) follow
+    the map: a hash entering it is stored, a hash leaving it is removed.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: NullKVEventLog = NULL_KV_EVENT_LOG) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -95,6 +99,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,19 +140,29 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes]) -> None:
-        """Publish full blocks: blocks[i] holds exactly the tokens described by block_hashes[i]."""
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
+                          parent_hash: bytes | None = None, token_ids: Sequence[int] = (),
+                          first_token: int = 0) -> None:
+        """Publish full blocks: blocks[i] holds exactly the tokens described by block_hashes[i].
+
+        For the KV events: `parent_hash` is the hash before block_hashes[0] (None at a prompt's
+        start), and blocks[i] holds token_ids[first_token + i * block_size:][:block_size].
+        """
         if not self.enable_caching:
             return
         if len(blocks) != len(block_hashes):
             raise ValueError(f"got {len(blocks)} blocks but {len(block_hashes)} hashes")
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        entered: list[int] = []
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block.block_hash is not None:
                 if block.block_hash != block_hash:
                     raise RuntimeError(f"block {block.block_id} is already published with another hash")
                 continue
             block.block_hash = block_hash
-            self.cached_blocks.setdefault(block_hash, block)
+            if self.cached_blocks.setdefault(block_hash, block) is block:
+                entered.append(i)
+        if entered:
+            self.events.stored(entered, block_hashes, parent_hash, token_ids, first_token)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -164,6 +179,7 @@ class BlockPool:
         self.cached_blocks.clear()
         for block in self.blocks:
             block.block_hash = None
+        self.events.cleared()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -173,3 +189,4 @@ class BlockPool:
         block.block_hash = None
         if self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]
+            self.events.removed(block_hash)

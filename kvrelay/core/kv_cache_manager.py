@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvrelay.core.block_hash import update_block_hashes
 from kvrelay.core.block_pool import BlockPool, KVCacheBlock
+from kvrelay.core.kv_event_log import NULL_KV_EVENT_LOG, KVEvent, NullKVEventLog
 from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
@@ -41,14 +42,14 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_extra: bytes | None = None) -> None:
+                 hash_extra: bytes | None = None, events: NullKVEventLog = NULL_KV_EVENT_LOG) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_extra = hash_extra
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_published_blocks: dict[str, int] = {}
         self._reserved: dict[str, int] = {}  # request id -> free blocks set aside for it
@@ -84,6 +85,10 @@ class KVCacheManager:
     def release_reservation(self, request_id: str) -> None:
         """Give back what was set aside for the request (it runs now, or it finished)."""
         self._num_reserved -= self._reserved.pop(request_id, 0)
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none without an event log)."""
+        return self.block_pool.events.take()
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return list(self._req_blocks.get(request_id, ()))
@@ -185,8 +190,10 @@ class KVCacheManager:
         num_published = self._num_published_blocks.get(request.request_id, 0)
         if num_full <= num_published:
             return
+        parent_hash = block_hashes[num_published - 1] if num_published else None
         self.block_pool.cache_full_blocks(blocks[num_published:num_full],
-                                          block_hashes[num_published:num_full])
+                                          block_hashes[num_published:num_full], parent_hash,
+                                          request.all_token_ids, num_published * self.block_size)
         self._num_published_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -15,14 +15,18 @@ Pure Python: this package never imports torch.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.kv_cache_manager import KVCacheManager
+from kvrelay.core.kv_event_log import NULL_KV_EVENT_LOG, KVEventLog
 from kvrelay.core.remote_kv import RemoteKVTracker
 from kvrelay.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvrelay.core.stats import SchedulerStats
+from kvrelay.kv_events.base import EventPublisher, NullEventPublisher
+from kvrelay.kv_events.events import KVEventBatch
 from kvrelay.kv_transfer.protocols import NULL_SCHEDULER_CONNECTOR
 from kvrelay.outputs import EngineCoreOutput, KVConnectorOutput, ModelRunnerOutput
 from kvrelay.request import Request, RequestStatus
@@ -36,15 +40,20 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 connector: SchedulerConnector | None = None) -> None:
+                 connector: SchedulerConnector | None = None,
+                 kv_event_publisher: EventPublisher | None = None) -> None:
         self.config = config
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.long_prefill_token_threshold = config.scheduler.long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        # KV events: the block pool logs its changes, one batch per step goes to the publisher.
+        self.kv_event_publisher = kv_event_publisher or NullEventPublisher()
+        self._publishes_events = kv_event_publisher is not None
+        events = NULL_KV_EVENT_LOG if kv_event_publisher is None else KVEventLog(self.block_size)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, enable_caching=config.cache.enable_prefix_caching)
+            num_blocks, self.block_size, enable_caching=config.cache.enable_prefix_caching, events=events)
         # The scheduler-side KV connector; a null one (every call does nothing) without KV transfer.
         self.connector: SchedulerConnector = NULL_SCHEDULER_CONNECTOR if connector is None else connector
         self.connector_name = type(connector).__name__ if connector is not None else ""
@@ -299,7 +308,17 @@ class Scheduler:
                 params = self._finish_if_done(req)
                 outputs.append(self._make_output(req, new_ids, [lp] if lp else [], params))
         self._handle_transfers(kv_out, outputs)
+        self.publish_kv_events()
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand this step's KV events (stores, evictions, clears: of the KV cache, and of the
+        connector's tiers) to the publisher as one batch."""
+        if not self._publishes_events:
+            return
+        events = self.kv_cache_manager.take_events() + self.connector.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _count_computed(self, req: Request, num_scheduled: int) -> None:
         prompt_left = max(0, req.num_prompt_tokens - req.num_computed_tokens)
@@ -412,7 +431,9 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- misc
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        self.publish_kv_events()  # now: no step may follow soon
+        return reset
 
     @property
     def blocks_in_use(self) -> int:

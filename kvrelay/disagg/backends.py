@@ -1,43 +1,142 @@
-"""Backend pools for the P/D proxy: which instance gets the next leg.
+"""The proxy's pools of prefill and decode instances: who is in, who gets the next leg.
 
-A pool picks its least-loaded backend, where load is the number of legs the proxy has in flight
-to it. Ties go round-robin, so an idle cluster still spreads requests over every instance.
+An instance's life in a pool:
+
+    active ──(a health check fails)──> down ──(it answers again)──> active
+      │                                  │
+      └────────(drain)──> draining <─────┘   no new legs; removed once nothing is in flight on
+                                             it and no decode leg still reads its KV
+
+Which active instance gets a leg is the pool's routing policy (kvrelay.disagg.routing). The pool
+counts, per instance, the legs in flight from this proxy, the prompt tokens they are predicted
+to compute there, and (prefill) the decode legs reading the KV it computed.
 """
 
 from __future__ import annotations
 
-import itertools
+import enum
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvrelay.disagg.routing.policies import Decision, LeastLoaded, RoutingPolicy
+from kvrelay.disagg.routing.prompt import PromptBlocks
+from kvrelay.kv_events.subscriber import StreamAddress
 
-@dataclass
+ROLES = ("prefill", "decode")
+
+
+class InstanceState(enum.Enum):
+    ACTIVE = "active"
+    DOWN = "down"  # failed its health check: no legs until it answers again
+    DRAINING = "draining"  # leaving: no new legs; removed once idle
+
+
+class NoInstanceError(RuntimeError):
+    """The pool has no active instance for a leg."""
+
+
+@dataclass(eq=False)
 class Backend:
     """One `kvrelay serve` (or vLLM) instance, as the proxy sees it."""
 
     url: str  # base URL without a trailing slash, e.g. "http://127.0.0.1:8100"
-    in_flight: int = 0
+    role: str = "decode"
+    state: InstanceState = InstanceState.ACTIVE
+    in_flight: int = 0  # legs from this proxy in flight on it
+    queued_tokens: int = 0  # prompt tokens those legs are predicted to compute
+    readers: int = 0  # decode legs reading KV this (prefill) instance computed
+    health_failures: int = 0  # consecutive failed health checks
+    kv_address: tuple[str, int] | None = None  # push mode: its KV side channel
+    events: StreamAddress | None = None  # where it publishes KV events, when known
+
+    @property
+    def idle(self) -> bool:
+        return self.in_flight == 0 and self.readers == 0
+
+
+def check_url(role: str, url: str) -> str:
+    """The URL without a trailing slash; ValueError naming the problem otherwise."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{role} backend URL must start with http:// or https://, got {url!r}")
+    if url.rstrip("/").count("/") != 2:
+        raise ValueError(f"{role} backend URL must be scheme://host:port without a path, got {url!r}")
+    return url.rstrip("/")
 
 
 class BackendPool:
-    """The prefill or the decode instances; `lease()` picks one and counts the leg in flight."""
+    """The prefill or the decode instances, and the policy that picks among the active ones."""
 
-    def __init__(self, name: str, urls: Sequence[str]) -> None:
+    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None) -> None:
         if not urls:
             raise ValueError(f"the {name} pool needs at least one backend URL")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{name} backend URL must start with http:// or https://, got {url!r}")
         self.name = name
-        self.backends = [Backend(url.rstrip("/")) for url in urls]
-        self._turn = itertools.count()
+        self.policy = policy or LeastLoaded()
+        self._members: dict[str, Backend] = {}
+        for url in urls:
+            self.add(url)
+
+    @property
+    def backends(self) -> list[Backend]:
+        """Every member, whatever its state, in the order they joined."""
+        return list(self._members.values())
+
+    def candidates(self) -> list[Backend]:
+        return [b for b in self._members.values() if b.state is InstanceState.ACTIVE]
+
+    def get(self, url: str) -> Backend | None:
+        return self._members.get(url.rstrip("/"))
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, url: str, kv_address: tuple[str, int] | None = None,
+            events: StreamAddress | None = None) -> Backend:
+        url = check_url(self.name, url)
+        if url in self._members:
+            raise KeyError(f"{url} is already in the {self.name} pool")
+        backend = Backend(url, self.name, kv_address=kv_address, events=events)
+        self._members[url] = backend
+        return backend
+
+    def drain(self, url: str) -> Backend:
+        """Take an instance out of routing; it leaves once idle (see `remove_idle_drained`)."""
+        backend = self._members.get(url.rstrip("/"))
+        if backend is None:
+            raise KeyError(f"{url} is not in the {self.name} pool")
+        if backend.state is InstanceState.DRAINING:
+            raise ValueError(f"{url} is already draining")
+        backend.state = InstanceState.DRAINING
+        return backend
+
+    def remove_idle_drained(self) -> list[Backend]:
+        """Drop the draining instances with nothing left in flight; returns them."""
+        gone = [b for b in self._members.values() if b.state is InstanceState.DRAINING and b.idle]
+        for backend in gone:
+            del self._members[backend.url]
+        return gone
+
+    # ------------------------------------------------------------------ legs
+
+    def choose(self, prompt: PromptBlocks | None = None) -> Decision:
+        """The policy's pick among the active instances (NoInstanceError if there is none)."""
+        candidates = self.candidates()
+        if not candidates:
+            raise NoInstanceError(f"no active {self.name} instance (of {len(self._members)} in the pool)")
+        return self.policy.choose(candidates, prompt if prompt is not None else PromptBlocks(None))
 
     def pick(self) -> Backend:
-        """The backend with the fewest legs in flight; round-robin among equals."""
-        start = next(self._turn) % len(self.backends)
-        rotated = self.backends[start:] + self.backends[:start]
-        return min(rotated, key=lambda b: b.in_flight)  # min() keeps the first of equals
+        return self.choose().backend
+
+    def start_leg(self, decision: Decision) -> Backend:
+        """Count a leg in flight on the decision's instance; pair with `end_leg`."""
+        backend = decision.backend
+        backend.in_flight += 1
+        backend.queued_tokens += decision.compute_tokens
+        return backend
+
+    def end_leg(self, decision: Decision) -> None:
+        decision.backend.in_flight -= 1
+        decision.backend.queued_tokens -= decision.compute_tokens
 
     def acquire(self) -> Backend:
         """Pick a backend and count one leg in flight on it; pair with `release`."""
@@ -49,10 +148,11 @@ class BackendPool:
         backend.in_flight -= 1
 
     @contextmanager
-    def lease(self) -> Iterator[Backend]:
-        """`acquire` for the duration of a with-block."""
-        backend = self.acquire()
+    def lease(self, prompt: PromptBlocks | None = None) -> Iterator[Decision]:
+        """A leg for the duration of a with-block."""
+        decision = self.choose(prompt)
+        self.start_leg(decision)
         try:
-            yield backend
+            yield decision
         finally:
-            self.release(backend)
+            self.end_leg(decision)

@@ -8,7 +8,7 @@ Every child runs in its own session (process group), so stopping one stops whate
 SIGTERM to the group, SIGKILL after a grace period. Children die with the launcher even when it
 is killed outright (Linux: PR_SET_PDEATHSIG), and `stop()` also runs from atexit.
 
-Which KV connector links P and D is one small function per connector in CONNECTOR_PLANS: it
+Which KV connector links P and D is one small plan per connector (connector_plans.py): it
 returns the connector's `kv_connector_extra_config` and any environment the children need. Where
 each instance runs (the CPU, or which GPUs and what share of their memory) is placement.py's,
 decided when the LocalCluster is built, before anything starts.
@@ -21,72 +21,36 @@ import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from kvrelay.disagg.connector_plans import (
+    CONNECTOR_PLANS,
+    DEFAULT_CONNECTOR,
+    ConnectorPlan,
+    kv_transfer_config,
+)
 from kvrelay.disagg.placement import Placement, plan_devices, startup_waves, visible_gpus
+from kvrelay.disagg.routing.policies import DEFAULT_POLICY
 
-KV_SECRET_ENV = "KVRELAY_KV_SECRET"
+KV_ADMIN_ENV = "KVRELAY_ADMIN_KEY"
 
 
 class ClusterError(RuntimeError):
     """A child failed to start, did not become healthy, or died."""
-
-
-# ---------------------------------------------------------------------- connector plans
-
-
-@dataclass(frozen=True)
-class ConnectorPlan:
-    """What a connector needs from the launcher, shared by every instance of the cluster."""
-
-    extra_config: dict[str, Any]  # kv_connector_extra_config, identical for P and D
-    env: dict[str, str] = field(default_factory=dict)  # extra environment of every serve child
-    transfer_mode: str = "pull"  # "push": the proxy starts both legs at once (push_mode.py)
-
-
-def plan_example_connector(workdir: Path) -> ConnectorPlan:
-    """ExampleConnector: P writes block-aligned prompt prefixes to a directory, D reads them."""
-    storage = workdir / "kv"
-    storage.mkdir(parents=True, exist_ok=True)
-    return ConnectorPlan({"shared_storage_path": str(storage)})
-
-
-def plan_nixl_connector(workdir: Path) -> ConnectorPlan:
-    """NixlConnector: D pulls blocks from P (NIXL where installed, else the built-in TCP
-    transport); the side channel is authenticated by a secret made for this cluster."""
-    from kvrelay.kv_transfer.transport import default_transport
-
-    return ConnectorPlan({"backend": default_transport(), "lease_seconds": 30.0},
-                         env={KV_SECRET_ENV: secrets.token_hex(32)})
-
-
-def plan_nixl_push_connector(workdir: Path) -> ConnectorPlan:
-    """NixlPushConnector: P writes into blocks D registered, layer by layer while it computes;
-    the proxy sends both legs at once and tells D where P's side channel is."""
-    return dataclasses.replace(plan_nixl_connector(workdir), transfer_mode="push")
-
-
-CONNECTOR_PLANS: dict[str, Callable[[Path], ConnectorPlan]] = {
-    "ExampleConnector": plan_example_connector,
-    "SharedStorageConnector": plan_example_connector,
-    "NixlConnector": plan_nixl_connector,
-    "NixlPushConnector": plan_nixl_push_connector,
-}
-DEFAULT_CONNECTOR = "NixlConnector"
 
 
 def connector_plan(spec: ClusterSpec, workdir: Path) -> ConnectorPlan:
@@ -95,24 +59,6 @@ def connector_plan(spec: ClusterSpec, workdir: Path) -> ConnectorPlan:
     if spec.kv_backend is None:
         return plan
     return dataclasses.replace(plan, extra_config={**plan.extra_config, "backend": spec.kv_backend})
-
-
-def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
-                       plan: ConnectorPlan, host: str,
-                       offload: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One instance's --kv-transfer-config (vLLM's field names). With `offload` (an
-    OffloadConnector extra config) the instance runs a MultiConnector: the P/D connector first,
-    so requests that carry kv_transfer_params load from P; the offload tiers serve and store
-    every other prefix."""
-    config = {"kv_connector": connector, "kv_role": role, "engine_id": engine_id, "kv_ip": host,
-              "kv_port": kv_port, "kv_connector_extra_config": plan.extra_config}
-    if offload is None:
-        return config
-    children = [{"kv_connector": connector, "kv_connector_extra_config": plan.extra_config},
-                {"kv_connector": "OffloadConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": offload}]
-    return {**config, "kv_connector": "MultiConnector",
-            "kv_connector_extra_config": {"connectors": children}}
 
 
 # ---------------------------------------------------------------------- the cluster
@@ -140,6 +86,10 @@ class ClusterSpec:
     # cuda:N; on GPUs `gpu_memory_utilization` is split between instances that share one.
     device: str = "auto"
     gpu_memory_utilization: float = 0.9
+    prefill_routing: str = DEFAULT_POLICY  # the proxy's policies (kvrelay.disagg.routing)
+    decode_routing: str = DEFAULT_POLICY
+    # The proxy's admin API key (None: off); `kvrelay up --admin` makes one.
+    admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
@@ -288,16 +238,26 @@ def stop_children(children: list[ChildProcess], grace_period: float) -> None:
 
 
 def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
-               tensor_parallel_size: int = 1, device_args: tuple[str, ...] = ()) -> list[str]:
+               tensor_parallel_size: int = 1, device_args: tuple[str, ...] = (),
+               events_config: dict[str, Any] | None = None) -> list[str]:
     """One instance's `kvrelay serve` command line; `device_args`: its Placement's flags."""
     argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
     if spec.model:
         argv.append(spec.model)
     argv += ["--host", spec.host, "--port", str(port), "--threads", str(spec.threads),
              "--kv-transfer-config", json.dumps(transfer_config), *spec.serve_args]
+    if events_config is not None:
+        argv += ["--kv-events-config", json.dumps(events_config)]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return argv + list(device_args)
+
+
+def kv_events_config(events_dir: Path, name: str) -> dict[str, Any]:
+    """One instance's --kv-events-config: PUB and replay sockets on ipc:// paths in the cluster's
+    directory (local by construction), which the proxy finds through the instance's /kv_events."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{events_dir}/{name}.pub",
+            "replay_endpoint": f"ipc://{events_dir}/{name}.replay", "topic": "kv-events"}
 
 
 def wait_healthy(children: list[ChildProcess], timeout_s: float) -> None:
@@ -351,6 +311,10 @@ class LocalCluster:
         self.port = spec.port
         self.kv_addresses: dict[str, str] = {}  # child name -> "kv_ip:kv_port"
         self._stopped = False
+        self._plan: ConnectorPlan | None = None
+        self._log_dir: Path | None = None
+        self._counts = {"prefill": 0, "decode": 0}  # instances ever started, for their names
+        self._lock = threading.Lock()  # children change while `kvrelay up --admin` runs
 
     @property
     def url(self) -> str:
@@ -358,11 +322,15 @@ class LocalCluster:
 
     @property
     def prefill(self) -> list[ChildProcess]:
-        return [c for c in self.children if c.name.startswith("prefill")]
+        return [c for c in list(self.children) if c.name.startswith("prefill")]
 
     @property
     def decode(self) -> list[ChildProcess]:
-        return [c for c in self.children if c.name.startswith("decode")]
+        return [c for c in list(self.children) if c.name.startswith("decode")]
+
+    @property
+    def proxy(self) -> ChildProcess | None:
+        return next((c for c in list(self.children) if c.name == "proxy"), None)
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -385,12 +353,14 @@ class LocalCluster:
             self.port = free_port(spec.host)
         check_port_free(spec.host, self.port)
         self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
-        log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
+        self._log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
+        (self.workdir / "events").mkdir()
         # NOTE: on GPUs, the KV transfer path between instances (CUDA IPC on one host, NIXL on
         # device memory, pinned host staging) is the connector plan's to choose, from
         # `self.placements`: issue 33. Today every plan moves KV as it does on the CPU.
-        plan = connector_plan(spec, self.workdir)
-        instances = {p.name: self._instance(p, plan, log_dir) for p in self.placements}
+        self._plan = plan = connector_plan(spec, self.workdir)
+        instances = {p.name: self._instance(p, plan, self._log_dir) for p in self.placements}
+        self._counts = {"prefill": spec.num_prefill, "decode": spec.num_decode}
         self.children.extend(instances.values())
         for wave in startup_waves(self.placements):  # on the CPU: one wave, everything at once
             starting = [instances[p.name] for p in wave]
@@ -399,17 +369,23 @@ class LocalCluster:
             self._wait_healthy(starting)
         proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
                       "--host", spec.host, "--port", str(self.port),
-                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode)]
+                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode),
+                      "--prefill-routing", spec.prefill_routing, "--decode-routing", spec.decode_routing]
+        if spec.model and "kv-aware" in (spec.prefill_routing, spec.decode_routing):
+            proxy_argv += ["--model", spec.model]  # its tokenizer hashes prompts
         if plan.transfer_mode == "push":
             proxy_argv += ["--transfer-mode", "push",
                            "--prefill-kv", *(self.kv_addresses[c.name] for c in self.prefill)]
-        proxy = ChildProcess("proxy", proxy_argv, self.url, log_dir / "proxy.log")
+        # NOTE: the admin key travels in the environment, never in argv (ps shows argv).
+        env = {KV_ADMIN_ENV: spec.admin_key} if spec.admin_key else {}
+        proxy = ChildProcess("proxy", proxy_argv, self.url, self._log_dir / "proxy.log", env)
         self.children.append(proxy)
         proxy.start()
         self._wait_healthy([proxy])
 
     def _instance(self, placement: Placement, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
-        """One `kvrelay serve` child: its own HTTP port, kv_port, engine id and device."""
+        """One `kvrelay serve` child: its own HTTP port, kv_port, engine id, device and (once the
+        cluster has its directory) KV event sockets."""
         spec, name = self.spec, placement.name
         port = free_port(spec.host)
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
@@ -420,18 +396,62 @@ class LocalCluster:
         self.kv_addresses[name] = f"{spec.host}:{kv_port}"
         config = kv_transfer_config(spec.connector, kv_role, engine_id, kv_port, plan, spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads), **placement.env}
-        argv = serve_argv(spec, port, config, tp, placement.serve_args)
+        events = kv_events_config(self.workdir / "events", name) if self.workdir is not None else None
+        argv = serve_argv(spec, port, config, tp, placement.serve_args, events)
         return ChildProcess(name, argv, f"http://{spec.host}:{port}", log_dir / f"{name}.log", env)
+
+    def start_instance(self, role: str) -> ChildProcess:
+        """Start one more prefill or decode instance and wait until it is healthy (the caller
+        then adds it to the proxy's pool). ClusterError, with its log, if it does not start.
+        NOTE: call it from a thread that lives as long as the cluster: the child gets SIGTERM
+        when the thread that started it ends (PR_SET_PDEATHSIG follows the thread)."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        if any(p.gpus for p in self.placements):
+            raise ClusterError("instances run on GPUs, whose memory the starting ones already share: "
+                               "start the cluster with every instance it needs")
+        with self._lock:
+            name = f"{role}-{self._counts[role]}"
+            self._counts[role] += 1
+            assert self._plan is not None and self._log_dir is not None, "start() the cluster first"
+            placement = Placement(name, self.placements[0].device if self.placements else None)
+            child = self._instance(placement, self._plan, self._log_dir)
+            self.children.append(child)
+        child.start()
+        try:
+            self._wait_healthy([child])
+        except ClusterError:
+            self.stop_instance(child)
+            raise
+        return child
+
+    def stop_instance(self, child: ChildProcess) -> None:
+        """Stop one instance (drained from the proxy's pool first) and forget it."""
+        with self._lock:
+            if child in self.children:
+                self.children.remove(child)
+        stop_children([child], self.spec.grace_period)
+
+    def find(self, url: str) -> ChildProcess | None:
+        return next((c for c in list(self.children) if c.url == url.rstrip("/")), None)
 
     def _wait_healthy(self, children: list[ChildProcess]) -> None:
         wait_healthy(children, self.spec.startup_timeout)
 
-    def wait_for_exit(self, poll_interval: float = 0.5) -> ChildProcess:
-        """Block until some child exits; returns it (the caller then stops the rest)."""
+    def wait_for_exit(self, poll_interval: float = 0.5, instances_may_exit: bool = False) -> ChildProcess:
+        """Block until some child exits; returns it (the caller then stops the rest). With
+        `instances_may_exit` (a pool the proxy manages), an instance that exits is reported and
+        forgotten, the proxy's health checks route around it, and only the proxy's exit returns."""
         while True:
-            for child in self.children:
-                if child.exit_code() is not None:
+            for child in list(self.children):
+                if child.exit_code() is None:
+                    continue
+                if not instances_may_exit or child.name == "proxy":
                     return child
+                print(f"kvrelay up: {child.name} ({child.url}) exited with code {child.exit_code()}; the "
+                      f"proxy routes around it. Last lines of its log:\n{child.log_tail()}", file=sys.stderr,
+                      flush=True)
+                self.stop_instance(child)
             time.sleep(poll_interval)
 
     def stop(self) -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from kvrelay.disagg.proxy_cli import add_routing_args, routing_of
 from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args, given_engine_argv
 
 _PLACED_PER_INSTANCE = ("device", "gpu_memory_utilization")
@@ -33,6 +34,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="tensor-parallel size of each decode instance (default 1)")
     p.add_argument("--threads-per-instance", type=int, default=None,
                    help="torch threads per instance (default: the cores split evenly)")
+    add_routing_args(p)
+    adm = p.add_argument_group("a pool that changes while it runs (docs/routing.md)")
+    adm.add_argument("--admin", action="store_true",
+                     help="serve an admin endpoint (key: env KVRELAY_ADMIN_KEY, else a new one, printed) "
+                          "that starts, adds and drains instances: `kvrelay pool add|drain|list`")
+    adm.add_argument("--admin-port", type=int, default=0, help="its port (default: any free one)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the children's logs here")
     off = p.add_argument_group("offload tiers for the decode instances (OffloadConnector)")
@@ -75,12 +82,16 @@ def serve_args_of(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    import secrets
     import signal
 
+    from kvrelay import env
     from kvrelay.disagg.launcher import DEFAULT_CONNECTOR, ClusterError, ClusterSpec, LocalCluster
 
     serve_args = serve_args_of(args)
     engine_args = EngineArgs.from_cli_args(args)
+    prefill_routing, decode_routing = routing_of(args)
+    admin_key = (env.admin_key() or secrets.token_urlsafe(24)) if args.admin else None
     spec = ClusterSpec(model=args.model, host=args.host, port=args.port,
                        connector=args.connector or DEFAULT_CONNECTOR,
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,
@@ -88,7 +99,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
                        offload=offload_config(args), prefill_tp=args.prefill_tp,
                        decode_tp=args.decode_tp, kv_backend=args.kv_backend, device=engine_args.device,
-                       gpu_memory_utilization=engine_args.gpu_memory_utilization)
+                       gpu_memory_utilization=engine_args.gpu_memory_utilization,
+                       prefill_routing=prefill_routing, decode_routing=decode_routing, admin_key=admin_key)
     cluster = LocalCluster(spec)  # where each instance runs, or ValueError: nothing has started yet
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -99,10 +111,13 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"{spec.threads} thread(s) each, connector {spec.connector} ...", flush=True)
     for placement in cluster.placements:
         print(f"  {placement.name:<10} on {placement.describe()}", flush=True)
+    admin = None
     try:
         cluster.start()
         _print_ready(cluster)
-        dead = cluster.wait_for_exit()
+        if admin_key is not None:
+            admin = _start_admin(cluster, admin_key, args.admin_port, from_env=env.admin_key() is not None)
+        dead = cluster.wait_for_exit(instances_may_exit=admin is not None)
         print(f"kvrelay up: {dead.name} exited with code {dead.exit_code()}; stopping the cluster. "
               f"Last lines of its log:\n{dead.log_tail()}", file=sys.stderr, flush=True)
         return 1
@@ -113,8 +128,23 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nkvrelay up: stopping ...", file=sys.stderr, flush=True)
         return 0
     finally:
+        if admin is not None:
+            admin.stop()
         cluster.stop()
         print("kvrelay up: stopped.", file=sys.stderr, flush=True)
+
+
+def _start_admin(cluster: Any, admin_key: str, port: int, from_env: bool) -> Any:
+    from kvrelay.disagg.launcher_admin import LauncherAdmin
+
+    admin = LauncherAdmin(cluster, admin_key, cluster.spec.host, port)
+    admin.start()
+    key_hint = "the key in KVRELAY_ADMIN_KEY" if from_env else f"export KVRELAY_ADMIN_KEY={admin_key}"
+    print(f"kvrelay up: admin endpoint {admin.url} ({key_hint})\n"
+          f"  kvrelay pool --admin-url {admin.url} add --role decode     # start one more decode instance\n"
+          f"  kvrelay pool --admin-url {admin.url} drain URL             # finish its work, then stop it\n"
+          f"  kvrelay pool --admin-url {admin.url} list", flush=True)
+    return admin
 
 
 def _print_ready(cluster: Any) -> None:

@@ -1,24 +1,30 @@
 """The P/D proxy: one client request becomes a prefill leg and a decode leg (docs/disaggregation.md).
 
     client ──POST /v1/chat/completions──> proxy
-      1. prefill leg -> least-loaded P: the body with max_tokens=1, stream=false and
-         kv_transfer_params = PREFILL_KV_TRANSFER_PARAMS. P computes the prompt's KV, keeps it,
-         and answers with top-level `kv_transfer_params` saying where D can find it.
-      2. decode leg  -> least-loaded D: the client's own body plus those kv_transfer_params.
-         D loads the KV instead of recomputing it and generates; its answer (SSE or JSON) is
-         relayed to the client chunk by chunk as it arrives.
+      1. prefill leg -> a P chosen by the prefill routing policy: the body with max_tokens=1,
+         stream=false and kv_transfer_params = PREFILL_KV_TRANSFER_PARAMS. P computes the
+         prompt's KV, keeps it, and answers with top-level `kv_transfer_params` saying where D
+         can find it.
+      2. decode leg  -> a D chosen by the decode policy: the client's own body plus those
+         kv_transfer_params. D loads the KV instead of recomputing it and generates; its answer
+         (SSE or JSON) is relayed to the client chunk by chunk as it arrives.
+
+Routing (kvrelay.disagg.routing): least-loaded, round-robin, or kv-aware, which reads the
+prompt's cached prefix per instance from the instances' KV events. Membership changes at run
+time through the admin API and the health checks (pool_manager.py, admin.py).
+
+When P's single token already ends the answer (end of sequence or a stop string), the proxy
+answers from P's result and sends no decode leg (prefill_answer.py).
 
 Parallel sampling: P is asked for one sample (n=1), so it computes the prompt once; D gets the
 client's n and its choices share the loaded KV through its prefix cache. A list of prompts in
-/v1/completions is split into one request per prompt for both legs, run concurrently, and merged
-back (kvrelay.disagg.prompt_list): P computes each prompt once and D gets each prompt's own
-kv_transfer_params.
+/v1/completions is split into one request per prompt for both legs (proxy_lists.py).
 
 Both legs carry the same request id (body `request_id`, header `X-Request-Id`; `<id>-<k>` for
-prompt k of a list). When the prefill
-leg cannot help (P down, slow, erroring, or answering without kv_transfer_params) the client's
-body goes to D alone and D prefills locally: a fallback, counted in /metrics by reason. A client
-that disconnects closes the decode leg, which aborts the request on D.
+prompt k of a list). When the prefill leg cannot help (no P, P down, slow, erroring, or
+answering without kv_transfer_params) the client's body goes to D alone and D prefills locally:
+a fallback, counted in /metrics by reason. A decode leg that cannot connect is sent to another
+D. A client that disconnects closes the decode leg, which aborts the request on D.
 
 The field names are vLLM's, so the proxy also fronts vLLM instances.
 """
@@ -28,10 +34,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -39,91 +45,41 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvrelay.disagg import prompt_list
-from kvrelay.disagg.backends import Backend, BackendPool
+from kvrelay.disagg import prefill_answer, prompt_list, proxy_lists
+from kvrelay.disagg.admin import AdminAPI, add_admin_routes
+from kvrelay.disagg.backends import Backend, NoInstanceError
+from kvrelay.disagg.legs import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    REQUEST_ID_HEADER,
+    DecodeLeg,
+    Prefilled,
+    decode_body,
+    openai_error,
+    prefill_body,
+)
+from kvrelay.disagg.pool_manager import PoolManager
+from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
-from kvrelay.disagg.push_mode import check_push_config, push_decode_params, push_prefill_params
+from kvrelay.disagg.push_mode import push_decode_params, push_prefill_params
+from kvrelay.disagg.routing import Decision, PromptBlocks, PromptReader
+
+__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "DisaggProxy", "ProxyConfig", "build_app", "decode_body",
+           "prefill_body"]
 
 logger = logging.getLogger(__name__)
-
-# What the prefill leg asks of P: compute the prompt, keep its KV for a remote decoder.
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-REQUEST_ID_HEADER = "X-Request-Id"
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    api_key: str | None = None  # sent to the backends as `Authorization: Bearer`
-    prefill_timeout: float = 60.0  # seconds for the whole prefill leg before falling back
-    decode_timeout: float = 600.0  # seconds the decode leg may stay silent between chunks
-    connect_timeout: float = 5.0
-    health_timeout: float = 2.0
-    max_connections: int = 512
-    # "push" (NixlPushConnector clusters): both legs start at once; see push_mode.py. Needs each
-    # prefill instance's KV side-channel address ("host:port"), in the order of prefill_urls.
-    transfer_mode: str = "pull"
-    prefill_kv_addresses: tuple[str, ...] = ()
-
-
-def prefill_body(body: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """The prefill leg: the client's body reduced to one non-streamed token, asking P to keep KV."""
-    leg = dict(body)
-    leg["max_tokens"] = 1
-    if "max_completion_tokens" in leg:
-        leg["max_completion_tokens"] = 1
-    leg.pop("min_tokens", None)  # a minimum above one token would make P reject the leg
-    if leg.get("n") not in (None, 1):
-        leg["n"] = 1  # one sample computes the prompt; D draws the n choices
-    leg.pop("best_of", None)
-    leg["stream"] = False
-    leg.pop("stream_options", None)
-    leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    leg["request_id"] = request_id
-    return leg
-
-
-def decode_body(body: dict[str, Any], request_id: str,
-                kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg: the client's body as sent (stream flag kept) plus P's kv_transfer_params.
-
-    Without params (a fallback) any client-supplied kv_transfer_params are dropped too, so D
-    surely prefills locally.
-    """
-    leg = dict(body)
-    leg.pop("kv_transfer_params", None)
-    if kv_transfer_params is not None:
-        leg["kv_transfer_params"] = kv_transfer_params
-    leg["request_id"] = request_id
-    return leg
-
-
-def openai_error(status: int, message: str, error_type: str = "proxy_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": error_type, "param": None,
-                                   "code": status}}, status_code=status)
-
 
 class DisaggProxy:
     """State shared by every request: the pools, one HTTP client, the metrics."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = BackendPool("prefill", config.prefill_urls)
-        self.decode = BackendPool("decode", config.decode_urls)
+        self.manager = PoolManager(config)
+        self.prefill, self.decode = self.manager.prefill, self.manager.decode
         self.metrics = ProxyMetrics()
+        self.metrics.watch_pools(self.manager)
+        self.prompts = PromptReader.for_model(config.model, config.tokenizer) if config.kv_aware \
+            else PromptReader(None)
         self._client: httpx.AsyncClient | None = None
-        self.kv_addresses = check_push_config(config.transfer_mode, config.prefill_urls,
-                                              config.prefill_kv_addresses)
         self._prefill_tasks: set[asyncio.Task[None]] = set()  # push mode: legs nobody awaits
 
     async def start(self) -> None:
@@ -132,11 +88,17 @@ class DisaggProxy:
         timeout = httpx.Timeout(self.config.decode_timeout, connect=self.config.connect_timeout)
         # NOTE: no env proxies (trust_env=False): legs go straight to the loopback backends.
         self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        await self.manager.start(self._client)
+        urls = [b.url for b in self.manager.members()]
+        if not await self.prompts.agrees_with(self._client, urls, self.headers("kvrelay-tokenizer-check"),
+                                              self.config.health_timeout):
+            self.prompts = PromptReader(None)
 
     async def close(self) -> None:
         for task in list(self._prefill_tasks):
             task.cancel()
         await asyncio.gather(*self._prefill_tasks, return_exceptions=True)
+        await self.manager.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -147,13 +109,23 @@ class DisaggProxy:
             raise RuntimeError("DisaggProxy.start() was not called (the app's lifespan runs it)")
         return self._client
 
-    def _headers(self, request_id: str, client_headers: httpx.Headers | None = None) -> dict[str, str]:
+    def headers(self, request_id: str, client_headers: httpx.Headers | None = None) -> dict[str, str]:
         headers = {REQUEST_ID_HEADER: request_id, "Accept-Encoding": "identity"}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         elif client_headers is not None and "authorization" in client_headers:
             headers["Authorization"] = client_headers["authorization"]
         return headers
+
+    async def read_prompt(self, route: str, body: dict[str, Any]) -> PromptBlocks:
+        """The prompt's tokens and block hashes (kv-aware routing only: tokenizing costs)."""
+        if self.prompts.tokenizer is None:
+            return PromptBlocks(None)
+        return await asyncio.to_thread(self.prompts.read, route, body)
+
+    def count_decision(self, role: str, decision: Decision) -> None:
+        policy = self.manager.pools[role].policy.name
+        self.metrics.decisions.labels(role=role, policy=policy, reason=decision.reason).inc()
 
     # ------------------------------------------------------------------ generation routes
 
@@ -172,64 +144,51 @@ class DisaggProxy:
         client_headers = httpx.Headers(dict(request.headers))
         prompts = prompt_list.split_prompts(route, body)
         if prompts is not None:
-            return await self._generate_list(request, route, body, prompts, request_id, client_headers)
-        headers = self._headers(request_id, client_headers)
-        kv_transfer_params = await self._prefill_or_push(route, body, request_id, headers)
+            return await proxy_lists.generate_list(self, request, route, body, prompts, request_id,
+                                                   client_headers)
+        headers = self.headers(request_id, client_headers)
+        prompt = await self.read_prompt(route, body)
+        prefilled = await self.prefill_or_push(route, body, request_id, headers, prompt)
+        if prefilled.final_answer is not None:
+            return self._answer_from_prefill(route, body, prefilled.final_answer, request_id)
         if await request.is_disconnected():
             self.metrics.errors.labels(kind="client_disconnected").inc()
             return Response(status_code=499)
-        return await self._decode(route, decode_body(body, request_id, kv_transfer_params),
-                                  request_id, headers)
+        return await self._decode(route, decode_body(body, request_id, prefilled.params), request_id,
+                                  headers, prompt, prefilled.source)
 
-    async def _generate_list(self, request: Request, route: str, body: dict[str, Any], prompts: list[Any],
-                             request_id: str, client_headers: httpx.Headers) -> Response:
-        """One P leg and one D leg per prompt, concurrently; the answers merged in prompt order."""
-        ids = [f"{request_id}-{k}" for k in range(len(prompts))]
-        bodies = [{**body, "prompt": prompt} for prompt in prompts]
-        headers = [self._headers(rid, client_headers) for rid in ids]
-        params = await asyncio.gather(*(self._prefill_or_push(route, b, rid, h)
-                                        for b, rid, h in zip(bodies, ids, headers, strict=True)))
-        if await request.is_disconnected():
-            self.metrics.errors.labels(kind="client_disconnected").inc()
-            return Response(status_code=499)
-        opened = await asyncio.gather(*(
-            self._open_decode(route, decode_body(b, rid, p), rid, h)
-            for b, rid, p, h in zip(bodies, ids, params, headers, strict=True)))
-        legs = [leg for leg in opened if not isinstance(leg, Response)]
-        failed = [leg for leg in opened if isinstance(leg, Response)]
-        if failed:  # one prompt's error answers the request, as one instance's would
-            for backend, upstream in legs:
-                await self._close_leg(backend, upstream, "cancelled")
-            return failed[0]
-        n = prompt_list.num_choices(body)
-        response_id = ("chatcmpl-" if route.endswith("chat/completions") else "cmpl-") + request_id
-        response_headers = {REQUEST_ID_HEADER: request_id}
-        if not body.get("stream"):
-            answers = []
-            for backend, upstream in legs:
-                try:
-                    answers.append(json.loads(await upstream.aread()))
-                finally:
-                    await self._close_leg(backend, upstream, "ok")
-            return JSONResponse(prompt_list.merge_bodies(answers, n, response_id), headers=response_headers)
-        return StreamingResponse(self._relay_list(legs, n, response_id, request_id),
-                                 media_type="text/event-stream", headers=response_headers)
+    def _answer_from_prefill(self, route: str, body: dict[str, Any], answer: dict[str, Any],
+                             request_id: str) -> Response:
+        headers = {REQUEST_ID_HEADER: request_id}
+        if body.get("stream"):
+            return StreamingResponse(prefill_answer.streamed(route, body, answer),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(answer, headers=headers)
 
-    async def _prefill_or_push(self, route: str, body: dict[str, Any], request_id: str,
-                               headers: dict[str, str]) -> dict[str, Any] | None:
+    async def prefill_or_push(self, route: str, body: dict[str, Any], request_id: str,
+                              headers: dict[str, str], prompt: PromptBlocks) -> Prefilled:
         """D's kv_transfer_params: after P's answer (pull), or at once with P's leg started
         beside D's (push: D's leg goes out first, when the caller opens it)."""
+        try:
+            decision = self.prefill.choose(prompt)
+        except NoInstanceError:
+            self.metrics.fallbacks.labels(reason="no_prefill_instance").inc()
+            logger.warning("request %s: no active prefill instance; decoding on D alone", request_id)
+            return Prefilled(None)
+        self.count_decision("prefill", decision)
         if self.config.transfer_mode == "pull":
-            return await self._prefill(route, body, request_id, headers)
-        backend = self.prefill.acquire()
-        task = asyncio.ensure_future(self._push_prefill_leg(backend, route, body, request_id, headers))
+            return await self._prefill(decision, route, body, request_id, headers, prompt)
+        self.prefill.start_leg(decision)
+        task = asyncio.ensure_future(self._push_prefill_leg(decision, route, body, request_id, headers))
         self._prefill_tasks.add(task)
         task.add_done_callback(self._prefill_tasks.discard)
-        return push_decode_params(request_id, self.kv_addresses[backend.url])
+        assert decision.backend.kv_address is not None  # PoolManager/admin insist on it in push mode
+        return Prefilled(push_decode_params(request_id, decision.backend.kv_address))
 
-    async def _push_prefill_leg(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
+    async def _push_prefill_leg(self, decision: Decision, route: str, body: dict[str, Any], request_id: str,
                                 headers: dict[str, str]) -> None:
         """P's leg of a push; its answer is discarded. A failure is D's to recover from."""
+        backend = decision.backend
         try:
             leg = {**prefill_body(body, request_id), "kv_transfer_params": push_prefill_params(request_id)}
             with self.metrics.prefill_seconds.time():
@@ -242,7 +201,8 @@ class DisaggProxy:
         except httpx.TransportError:
             outcome = "unreachable"
         finally:
-            self.prefill.release(backend)
+            self.prefill.end_leg(decision)
+            self.manager.reap()
         self.metrics.legs.labels(leg="prefill", backend=backend.url,
                                  outcome="ok" if outcome == "ok" else "fallback").inc()
         if outcome != "ok":
@@ -250,163 +210,165 @@ class DisaggProxy:
             logger.warning("request %s: push prefill leg to %s gave %s; D prefills alone once it sees "
                            "no progress", request_id, backend.url, outcome)
 
-    async def _prefill(self, route: str, body: dict[str, Any], request_id: str,
-                       headers: dict[str, str]) -> dict[str, Any] | None:
-        """Run the prefill leg; P's kv_transfer_params, or None after counting a fallback."""
-        with self.prefill.lease() as backend:
+    async def _prefill(self, decision: Decision, route: str, body: dict[str, Any], request_id: str,
+                       headers: dict[str, str], prompt: PromptBlocks) -> Prefilled:
+        """Run the prefill leg on the chosen P; a fallback (no params) is counted by reason."""
+        backend = decision.backend
+        index = self.manager.index
+        started_at = time.monotonic()
+        self.prefill.start_leg(decision)
+        if index is not None:
+            index.expect(backend.url, request_id, prompt)
+        try:
             with self.metrics.prefill_seconds.time():
-                outcome, params = await self._post_prefill(backend, route, body, request_id, headers)
+                outcome, answer = await self._post_prefill(backend, route, body, request_id, headers)
+        finally:
+            self.prefill.end_leg(decision)
+        prompt_tokens, cached = _usage_tokens(answer)
+        if index is not None:
+            index.settle(backend.url, request_id, started_at, prompt_tokens, cached)
+        if decision.predicted_hit_tokens is not None and cached is not None:
+            self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, cached)
+        self.manager.reap()
+        return self._prefill_result(backend, outcome, answer, body, request_id)
+
+    def _prefill_result(self, backend: Backend, outcome: str, answer: dict[str, Any] | None,
+                        body: dict[str, Any], request_id: str) -> Prefilled:
+        if answer is not None and prefill_answer.can_answer_from_prefill(body, answer):
+            self.metrics.legs.labels(leg="prefill", backend=backend.url, outcome="final").inc()
+            return Prefilled(None, final_answer=answer)
+        params = answer.get("kv_transfer_params") if answer is not None else None
+        if not isinstance(params, dict) or not params:
+            params = None
+            outcome = "no_kv_transfer_params" if outcome == "ok" else outcome
         self.metrics.legs.labels(leg="prefill", backend=backend.url,
                                  outcome="ok" if params is not None else "fallback").inc()
         if params is None:
             self.metrics.fallbacks.labels(reason=outcome).inc()
             log = logger.info if outcome == "no_kv_transfer_params" else logger.warning
-            log("request %s: prefill leg to %s gave %s; decoding on D alone", request_id,
-                backend.url, outcome)
-        return params
+            log("request %s: prefill leg to %s gave %s; decoding on D alone", request_id, backend.url,
+                outcome)
+            return Prefilled(None)
+        return Prefilled(params, source=backend)
 
-    async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any],
-                            request_id: str, headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
+    async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
+                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
+        """(outcome, P's answer): the answer is None unless P answered 200 with a JSON object."""
         try:
             response = await asyncio.wait_for(
-                self.client.post(backend.url + route, json=prefill_body(body, request_id),
-                                 headers=headers),
+                self.client.post(backend.url + route, json=prefill_body(body, request_id), headers=headers),
                 timeout=self.config.prefill_timeout)
         except (TimeoutError, httpx.TimeoutException):
             return "timeout", None
-        except httpx.TransportError:
+        except httpx.TransportError as e:
+            if isinstance(e, httpx.ConnectError):
+                self.manager.mark_down(backend, repr(e))
             return "unreachable", None
         if response.status_code != 200:
             return f"http_{response.status_code}", None
         try:
-            params = response.json().get("kv_transfer_params")
-        except (ValueError, AttributeError):
+            answer = response.json()
+        except ValueError:
             return "bad_response", None
-        if not isinstance(params, dict) or not params:
-            return "no_kv_transfer_params", None
-        return "ok", params
+        return ("ok", answer) if isinstance(answer, dict) else ("bad_response", None)
 
-    async def _open_decode(self, route: str, body: dict[str, Any], request_id: str,
-                           headers: dict[str, str]) -> tuple[Backend, httpx.Response] | Response:
-        """Send a decode leg: the open upstream response, or the Response to answer with when D
-        is unreachable or refused (D's own errors pass through unchanged)."""
-        backend = self.decode.acquire()
-        try:
-            upstream = await self.client.send(
-                self.client.build_request("POST", backend.url + route, json=body, headers=headers),
-                stream=True)
-        except httpx.TransportError as e:
-            self.decode.release(backend)
-            self.metrics.legs.labels(leg="decode", backend=backend.url, outcome="error").inc()
-            self.metrics.errors.labels(kind="decode_unreachable").inc()
-            logger.warning("request %s: decode leg to %s failed: %r", request_id, backend.url, e)
-            return openai_error(502, f"decode instance {backend.url} is unreachable: {e!r}")
-        if upstream.status_code >= 400:
+    # ------------------------------------------------------------------ decode leg
+
+    async def open_decode(self, route: str, body: dict[str, Any], request_id: str, headers: dict[str, str],
+                          prompt: PromptBlocks, source: Backend | None) -> DecodeLeg | Response:
+        """Send a decode leg: the open leg, or the Response to answer with when no D can take it
+        (D's own errors pass through unchanged). A D that refuses the connection is marked down
+        and the leg goes to another one (nothing was sent, so nothing runs twice)."""
+        last_error: Exception | None = None
+        for _ in range(max(1, len(self.decode.backends))):
             try:
-                content = await upstream.aread()
-            finally:
-                await upstream.aclose()
-                self.decode.release(backend)
-            self.metrics.legs.labels(leg="decode", backend=backend.url, outcome="error").inc()
-            self.metrics.errors.labels(kind=f"decode_http_{upstream.status_code}").inc()
-            return Response(content, status_code=upstream.status_code,
-                            media_type=upstream.headers.get("content-type", "application/json"),
-                            headers={REQUEST_ID_HEADER: request_id})
-        return backend, upstream
+                decision = self.decode.choose(prompt)
+            except NoInstanceError as e:
+                self.metrics.errors.labels(kind="no_decode_instance").inc()
+                return openai_error(503, f"{e}; retry later" if last_error is None else
+                                    f"every decode instance is unreachable (last: {last_error!r})")
+            self.count_decision("decode", decision)
+            self.decode.start_leg(decision)
+            if source is not None:
+                source.readers += 1
+            try:
+                upstream = await self.client.send(self.client.build_request(
+                    "POST", decision.backend.url + route, json=body, headers=headers), stream=True)
+            except httpx.TransportError as e:
+                self._end_decode(decision, source, "error")
+                self.metrics.errors.labels(kind="decode_unreachable").inc()
+                logger.warning("request %s: decode leg to %s failed: %r", request_id, decision.backend.url, e)
+                if not isinstance(e, httpx.ConnectError):
+                    return openai_error(502, f"decode instance {decision.backend.url} is unreachable: {e!r}")
+                self.manager.mark_down(decision.backend, repr(e))
+                last_error = e
+                continue
+            leg = DecodeLeg(decision, upstream, source)
+            if upstream.status_code >= 400:
+                return await self._refused(leg, request_id)
+            return leg
+        return openai_error(502, f"every decode instance is unreachable (last: {last_error!r})")
 
-    async def _decode(self, route: str, body: dict[str, Any], request_id: str,
-                      headers: dict[str, str]) -> Response:
+    async def _refused(self, leg: DecodeLeg, request_id: str) -> Response:
+        upstream = leg.upstream
+        try:
+            content = await upstream.aread()
+        finally:
+            await self.close_leg(leg, "error")
+        self.metrics.errors.labels(kind=f"decode_http_{upstream.status_code}").inc()
+        return Response(content, status_code=upstream.status_code,
+                        media_type=upstream.headers.get("content-type", "application/json"),
+                        headers={REQUEST_ID_HEADER: request_id})
+
+    async def _decode(self, route: str, body: dict[str, Any], request_id: str, headers: dict[str, str],
+                      prompt: PromptBlocks, source: Backend | None) -> Response:
         """Send the decode leg and relay D's answer as it arrives."""
-        leg = await self._open_decode(route, body, request_id, headers)
+        leg = await self.open_decode(route, body, request_id, headers, prompt, source)
         if isinstance(leg, Response):
             return leg
-        backend, upstream = leg
-        return StreamingResponse(self._relay(upstream, backend, request_id),
-                                 status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type", "application/json"),
+        return StreamingResponse(self._relay(leg, request_id), status_code=leg.upstream.status_code,
+                                 media_type=leg.upstream.headers.get("content-type", "application/json"),
                                  headers={REQUEST_ID_HEADER: request_id})
 
-    async def _close_leg(self, backend: Backend, upstream: httpx.Response, outcome: str) -> None:
+    async def close_leg(self, leg: DecodeLeg, outcome: str) -> None:
         # NOTE: shielded, because a cancelled scope would otherwise abort the close itself.
         with anyio.CancelScope(shield=True):
-            await upstream.aclose()
-        self.decode.release(backend)
-        self.metrics.legs.labels(leg="decode", backend=backend.url, outcome=outcome).inc()
+            await leg.upstream.aclose()
+        self._end_decode(leg.decision, leg.source, outcome)
 
-    async def _relay(self, upstream: httpx.Response, backend: Backend,
-                     request_id: str) -> AsyncIterator[bytes]:
+    def _end_decode(self, decision: Decision, source: Backend | None, outcome: str) -> None:
+        self.decode.end_leg(decision)
+        if source is not None:
+            source.readers -= 1
+        self.metrics.legs.labels(leg="decode", backend=decision.backend.url, outcome=outcome).inc()
+        self.manager.reap()
+
+    async def _relay(self, leg: DecodeLeg, request_id: str) -> AsyncIterator[bytes]:
         """D's bytes as they arrive. Closing here (also on client disconnect) aborts D's request."""
         outcome = "ok"
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in leg.upstream.aiter_raw():
                 yield chunk
         except httpx.TransportError as e:
             outcome = "error"
             self.metrics.errors.labels(kind="decode_stream_broken").inc()
-            logger.warning("request %s: decode stream from %s broke: %r", request_id, backend.url, e)
+            logger.warning("request %s: decode stream from %s broke: %r", request_id, leg.backend.url, e)
         except BaseException:  # cancelled: the client went away
             outcome = "cancelled"
             self.metrics.errors.labels(kind="client_disconnected").inc()
             raise
         finally:
-            await self._close_leg(backend, upstream, outcome)
-
-    async def _relay_list(self, legs: list[tuple[Backend, httpx.Response]], n: int, response_id: str,
-                          request_id: str) -> AsyncIterator[bytes]:
-        """The legs' SSE chunks interleaved as they arrive, renumbered; one usage chunk and one
-        [DONE] at the end. Closing this (client gone) closes every leg, aborting them on D."""
-        queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
-        outcomes = ["ok"] * len(legs)
-
-        async def pump(k: int, upstream: httpx.Response) -> None:
-            try:
-                async for line in upstream.aiter_lines():
-                    event = prompt_list.parse_sse_line(line)
-                    if isinstance(event, dict):
-                        queue.put_nowait((k, event))
-            except httpx.TransportError as e:
-                outcomes[k] = "error"
-                self.metrics.errors.labels(kind="decode_stream_broken").inc()
-                logger.warning("request %s: decode stream %d broke: %r", request_id, k, e)
-            finally:
-                queue.put_nowait((k, None))
-
-        tasks = [asyncio.ensure_future(pump(k, upstream)) for k, (_, upstream) in enumerate(legs)]
-        usage: dict[str, Any] | None = None
-        last_chunk: dict[str, Any] | None = None
-        try:
-            remaining = len(legs)
-            while remaining:
-                k, event = await queue.get()
-                if event is None:
-                    remaining -= 1
-                elif prompt_list.is_usage_chunk(event):
-                    usage = prompt_list.add_usage(usage, event["usage"])
-                    last_chunk = event
-                else:
-                    chunk = prompt_list.renumber(event, k, n, response_id)
-                    yield f"data: {json.dumps(chunk)}\n\n".encode()
-            if usage is not None and last_chunk is not None:
-                yield f"data: {json.dumps({**last_chunk, 'id': response_id, 'usage': usage})}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-        except BaseException:
-            outcomes = ["cancelled" if o == "ok" else o for o in outcomes]
-            self.metrics.errors.labels(kind="client_disconnected").inc()
-            raise
-        finally:
-            for task in tasks:
-                task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*tasks, return_exceptions=True)
-            for (backend, upstream), outcome in zip(legs, outcomes, strict=True):
-                await self._close_leg(backend, upstream, outcome)
+            await self.close_leg(leg, outcome)
 
     # ------------------------------------------------------------------ other routes
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models, answered by a decode instance."""
-        backend = self.decode.pick()
-        headers = self._headers(f"kvrelay-{uuid.uuid4().hex}", httpx.Headers(dict(request.headers)))
+        try:
+            backend = self.decode.pick()
+        except NoInstanceError as e:
+            return openai_error(503, str(e))
+        headers = self.headers(f"kvrelay-{uuid.uuid4().hex}", httpx.Headers(dict(request.headers)))
         try:
             upstream = await self.client.get(backend.url + "/v1/models", headers=headers,
                                              timeout=self.config.health_timeout * 5)
@@ -418,9 +380,8 @@ class DisaggProxy:
 
     async def health(self) -> JSONResponse:
         """Every backend's /health. 200 while some D is healthy (P being optional: fallback)."""
-        pools = {"prefill": self.prefill, "decode": self.decode}
         checks = {name: await asyncio.gather(*(self._check(b) for b in pool.backends))
-                  for name, pool in pools.items()}
+                  for name, pool in self.manager.pools.items()}
         decode_ok = any(c["healthy"] for c in checks["decode"])
         prefill_ok = all(c["healthy"] for c in checks["prefill"])
         decode_all = all(c["healthy"] for c in checks["decode"])
@@ -428,16 +389,26 @@ class DisaggProxy:
         return JSONResponse({"status": status, **checks}, status_code=200 if decode_ok else 503)
 
     async def _check(self, backend: Backend) -> dict[str, Any]:
-        report: dict[str, Any] = {"url": backend.url, "healthy": False, "in_flight": backend.in_flight}
-        try:
-            response = await self.client.get(backend.url + "/health", timeout=self.config.health_timeout)
-            report["healthy"] = response.status_code == 200
-            if not report["healthy"]:
-                report["error"] = f"HTTP {response.status_code}"
-        except httpx.TransportError as e:
-            report["error"] = repr(e)
-        self.metrics.backend_up.labels(backend=backend.url).set(1 if report["healthy"] else 0)
+        report: dict[str, Any] = {"url": backend.url, "healthy": False, "in_flight": backend.in_flight,
+                                  "state": backend.state.value}
+        healthy, error = await self.manager.check(backend.url)
+        report["healthy"] = healthy
+        if error is not None:
+            report["error"] = error
+        self.metrics.backend_up.labels(backend=backend.url).set(1 if healthy else 0)
         return report
+
+
+def _usage_tokens(answer: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """P's usage: its prompt tokens, and the prefix of them its cache served."""
+    usage = answer.get("usage") if answer is not None else None
+    if not isinstance(usage, dict):
+        return None, None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt_tokens = usage.get("prompt_tokens")
+    return (prompt_tokens if isinstance(prompt_tokens, int) else None,
+            cached if isinstance(cached, int) else None)
 
 
 def build_app(config: ProxyConfig) -> FastAPI:
@@ -454,6 +425,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvrelay P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    add_admin_routes(app, AdminAPI(proxy.manager, config.admin_key))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

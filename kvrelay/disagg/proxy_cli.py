@@ -4,6 +4,26 @@ from __future__ import annotations
 
 import argparse
 
+from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
+
+
+def add_routing_args(p: argparse.ArgumentParser) -> None:
+    """--routing / --prefill-routing / --decode-routing, shared by `kvrelay proxy` and `kvrelay up`."""
+    g = p.add_argument_group("routing (docs/routing.md)")
+    g.add_argument("--routing", choices=POLICIES, default=None,
+                   help=f"how both pools pick an instance (default {DEFAULT_POLICY}): kv-aware weighs each "
+                        "instance's cached prefix of the prompt (from its KV events) against its load")
+    g.add_argument("--prefill-routing", choices=POLICIES, default=None,
+                   help="the prefill pool's policy (default: --routing)")
+    g.add_argument("--decode-routing", choices=POLICIES, default=None,
+                   help="the decode pool's policy (default: --routing)")
+
+
+def routing_of(args: argparse.Namespace) -> tuple[str, str]:
+    """(prefill policy, decode policy) from the routing flags."""
+    both = args.routing or DEFAULT_POLICY
+    return args.prefill_routing or both, args.decode_routing or both
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
@@ -24,6 +44,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--prefill-kv", nargs="+", default=[], metavar="HOST:PORT",
                    help="push mode: each prefill instance's KV side channel (its kv_ip:kv_port), "
                         "in the order of --prefill")
+    add_routing_args(p)
+    p.add_argument("--model", default=None,
+                   help="kv-aware routing: the model whose tokenizer hashes prompts, as given to "
+                        "`kvrelay serve` (default: serve's default model); no weights are loaded")
+    p.add_argument("--admin-key", default=None,
+                   help="turn the admin API on (/admin/instances: add and drain instances) with this key "
+                        "(default: env KVRELAY_ADMIN_KEY; unset: the admin API is off)")
+    p.add_argument("--health-interval", type=float, default=2.0,
+                   help="seconds between health checks of every instance; one that fails leaves routing "
+                        "until it answers again (default 2; 0: no checks)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.set_defaults(func=cmd_proxy)
 
@@ -33,17 +63,22 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from kvrelay import env
     from kvrelay.disagg.proxy import ProxyConfig, build_app
 
     if args.prefill_timeout <= 0:
         raise ValueError(f"--prefill-timeout must be > 0, got {args.prefill_timeout}")
+    prefill_routing, decode_routing = routing_of(args)
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
                          api_key=args.api_key, prefill_timeout=args.prefill_timeout,
-                         transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv))
+                         transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv),
+                         prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
+                         admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval)
     app = build_app(config)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {' '.join(args.prefill)}  "
-          f"decode: {' '.join(args.decode)}", flush=True)
+          f"decode: {' '.join(args.decode)}  routing: prefill {prefill_routing}, decode {decode_routing}"
+          f"{'  admin API on' if config.admin_key else ''}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

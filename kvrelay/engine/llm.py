@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
 from kvrelay.engine.llm_engine import LLMEngine, PromptType
+from kvrelay.kv_events.config import KVEventsConfig
 from kvrelay.model.loader import LoadedModel
 from kvrelay.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
@@ -21,14 +22,14 @@ class LLM:
         gpu_memory_utilization=0.9, kv_cache_dtype="auto", max_num_seqs=64, max_num_batched_tokens=2048,
         max_model_len=None, enable_prefix_caching=True, seed=0, kv_transfer_config=None,
         tensor_parallel_size=1, distributed_executor_backend=None, enforce_eager=False,
-        attention_backend="auto")
+        attention_backend="auto", kv_events_config=None)
     `model=None` is the embedded SmolLM2-135M-Instruct. `device`: auto (a GPU when one is visible,
     else the CPU), cpu, cuda or cuda:N. `dtype="auto"`: float32 on the CPU, the checkpoint's dtype
     on a GPU. `kv_cache_memory` (bytes, or "1GiB"): None is 512MiB on the CPU; on a GPU the cache
     gets what `gpu_memory_utilization` (the share of the GPU's memory this instance may use) leaves
     after the weights. `kv_cache_dtype`: what the KV cache stores, independent of `dtype`
     (kvrelay/attention/kv_format.py). `enforce_eager`: no CUDA graphs. `attention_backend`: auto,
-    cpu, torch or triton (kvrelay/config.py).
+    cpu, torch or triton (kvrelay/config.py). `kv_events_config`: vLLM's KV events (docs/routing.md).
     """
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -39,7 +40,8 @@ class LLM:
                  long_prefill_token_threshold: int = 0, num_blocks: int | None = None,
                  seed: int = 0, kv_transfer_config: Any = None, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, enforce_eager: bool = False,
-                 attention_backend: str = "auto", loaded_model: LoadedModel | None = None) -> None:
+                 attention_backend: str = "auto", loaded_model: LoadedModel | None = None,
+                 kv_events_config: Any = None) -> None:
         kv_transfer = None
         if kv_transfer_config is not None:
             from kvrelay.kv_transfer.config import KVTransferConfig
@@ -56,7 +58,7 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend),
-            kv_transfer=kv_transfer)
+            kv_transfer=kv_transfer, kv_events=KVEventsConfig.from_any(kv_events_config))
         self.engine = LLMEngine(config, loaded=loaded_model)
 
     @property

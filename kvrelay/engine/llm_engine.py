@@ -15,6 +15,7 @@ from kvrelay.core.scheduler import Scheduler
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.executor import create_executor
+from kvrelay.kv_events.base import EventPublisher
 from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.protocols import SchedulerConnector
 from kvrelay.model.loader import LoadedModel, checkpoint_dtype, load_model, weights_dtype
@@ -66,7 +67,8 @@ class LLMEngine:
             self.max_model_len = self._max_model_len(config)
             self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
             self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len,
-                                       self._build_scheduler_connector(config))
+                                       self._build_scheduler_connector(config),
+                                       self._build_event_publisher(config))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -114,6 +116,12 @@ class LLMEngine:
         connector: SchedulerConnector = create_connector(config, KVConnectorRole.SCHEDULER,
                                                          self.kv_cache_spec())
         return connector
+
+    def _build_event_publisher(self, config: EngineConfig) -> EventPublisher | None:
+        if config.kv_events is None or not config.kv_events.publishes:
+            return None
+        from kvrelay.kv_events.zmq_publisher import create_publisher
+        return create_publisher(config.kv_events)
 
     def kv_cache_spec(self) -> Any:
         """The KVCacheSpec of one rank's cache."""
@@ -206,6 +214,7 @@ class LLMEngine:
         """Stop the workers and the connectors' threads and transports. Idempotent; the engine is
         unusable after."""
         self.scheduler.connector.shutdown()
+        self.scheduler.kv_event_publisher.shutdown()
         self.executor.shutdown()
 
     # ----------------------------------------------------------------------------- introspection

@@ -108,6 +108,7 @@ _SUBCOMMAND_MODULES = (
     "kvrelay.entrypoints.serve_cli",   # kvrelay serve
     "kvrelay.disagg.proxy_cli",        # kvrelay proxy
     "kvrelay.disagg.launcher_cli",     # kvrelay up
+    "kvrelay.disagg.pool_cli",         # kvrelay pool
     "kvrelay.disagg.demo_cli",         # kvrelay demo
     "kvrelay.disagg.planner.cli",      # kvrelay profile, kvrelay plan
 )

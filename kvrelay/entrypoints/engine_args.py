@@ -61,6 +61,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     threads: int | None = None  # None: torch's default
     kv_transfer_config: str | None = None
+    kv_events_config: str | None = None
     served_model_name: str | None = None
 
     @classmethod
@@ -90,20 +91,25 @@ class EngineArgs:
                                         max_num_batched_tokens=self.max_num_batched_tokens)
             parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                       distributed_executor_backend=self.distributed_executor_backend)
+        from kvrelay.kv_events.config import KVEventsConfig
         from kvrelay.kv_transfer.config import KVTransferConfig
         try:
             kv_transfer = KVTransferConfig.from_any(self.kv_transfer_config)
         except ValueError as e:
             raise ValueError(f"argument --kv-transfer-config: {e}") from None
+        try:
+            kv_events = KVEventsConfig.from_any(self.kv_events_config)
+        except ValueError as e:
+            raise ValueError(f"argument --kv-events-config: {e}") from None
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
-                            kv_transfer=kv_transfer)
+                            kv_transfer=kv_transfer, kv_events=kv_events)
 
     def llm_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `LLM(...)` these flags ask for."""
         names = ("model", "device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                  "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
                  "tensor_parallel_size", "distributed_executor_backend", "enforce_eager",
-                 "attention_backend", "kv_transfer_config")
+                 "attention_backend", "kv_transfer_config", "kv_events_config")
         return {name: getattr(self, name) for name in names}
 
     def set_torch_threads(self) -> None:
@@ -164,6 +170,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("threads", "torch CPU threads for this instance (default: torch's)", type=int,
                commands=_ONE_INSTANCE),
     EngineFlag("kv_transfer_config", "the KV connector's config as a JSON object",
+               commands=frozenset({"serve"})),
+    EngineFlag("kv_events_config", "publish KV cache events (vLLM's flag and keys) as a JSON object, e.g. "
+                                   "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                   "\"replay_endpoint\": \"tcp://*:5558\"}' (see docs/routing.md)",
                commands=frozenset({"serve"})),
     EngineFlag("served_model_name", "the model name clients send (default: from the model)",
                commands=frozenset({"serve", "up"})),

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE ending in
 `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health,
-GET /metrics, and FastAPI's GET /openapi.json and /docs.
+GET /metrics, GET /kv_events (where this instance publishes its KV cache events, for a router),
+and FastAPI's GET /openapi.json and /docs.
 
 Parallel sampling (`n`) and prompt lists: a list in /v1/completions becomes one engine request
 per prompt (ids `<id>-<k>`), each with n choices; choice j of prompt k has index k * n + j, and
@@ -39,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
+from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
 from kvrelay.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -150,18 +152,14 @@ class OpenAIServer:
         return await self._generate(request, req, [prompt], params, ctx)
 
     def _render_chat(self, messages: list[Any], add_generation_prompt: bool) -> str:
-        return str(self.async_llm.engine.tokenizer.apply_chat_template(
-            [m.as_template_input() for m in messages], add_generation_prompt=add_generation_prompt))
+        return chat_prompt_text(self.async_llm.engine.tokenizer, messages, add_generation_prompt)
 
     def _prompt(self, prompt: str | list[int], max_tokens: int | None, max_param: str, param: str,
                 add_special_tokens: bool, truncate: int | None = None) -> dict[str, Any]:
         """Tokenize and check one prompt against the context: the prompt must leave room for one
         output token, and for all of `max_tokens` when that is set (vLLM's rules and wording).
         `truncate` (truncate_prompt_tokens) keeps the prompt's last tokens; -1 all that fit."""
-        if isinstance(prompt, str):
-            token_ids = self.async_llm.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        else:
-            token_ids = list(prompt)
+        token_ids = encode_prompt(self.async_llm.engine.tokenizer, prompt, add_special_tokens)
         limit = self.async_llm.max_model_len
         if truncate is not None:
             fits = limit - (max_tokens if max_tokens is not None else 1)
@@ -312,6 +310,16 @@ class OpenAIServer:
                 raise APIError(400, f"tokens[{i}]={tok} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.async_llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    def kv_events(self) -> dict[str, Any]:
+        """Where this instance publishes KV events (docs/routing.md): a router subscribes there.
+        A wildcard host (tcp://*:5557) means "this instance's host"."""
+        engine = self.async_llm.engine
+        config = engine.config.kv_events
+        if config is None or not config.publishes:
+            return {"enabled": False}
+        return {"enabled": True, "endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
+                "topic": config.topic, "block_size": engine.config.cache.block_size}
+
     def health(self) -> JSONResponse:
         reason = self.async_llm.dead_reason
         if reason is not None:
@@ -368,6 +376,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
+
+    @app.get("/kv_events", dependencies=auth)
+    async def kv_events() -> dict[str, Any]:
+        return server.kv_events()
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -265,6 +265,12 @@ class KVConnectorBase(ABC):
         stats, self._stats = self._stats, {}
         return stats
 
+    def take_events(self) -> list[Any]:
+        """KV events (kvrelay.kv_events) of blocks this connector keeps outside the KV cache,
+        since the previous call; called after each step while the engine publishes events.
+        Default: none."""
+        return []
+
     def shutdown(self) -> None:
         """Release threads, sockets and transport resources. Called once when the engine
         stops, on both halves; must be idempotent. Default: nothing to release."""

@@ -39,6 +39,8 @@ class SchedulerConnector(Protocol):
 
     def take_stats(self) -> dict[str, float]: ...
 
+    def take_events(self) -> list[Any]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -94,6 +96,9 @@ class NullSchedulerConnector:
 
     def take_stats(self) -> dict[str, float]:
         return {}
+
+    def take_events(self) -> list[Any]:
+        return []
 
     def shutdown(self) -> None:
         return None

@@ -78,14 +78,34 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"the {DEFAULT_MODEL_DISTRIBUTION!r} distribution lists no .gguf file")
 
 
-def load_model(
-    model: str | None = None, dtype: torch.dtype = torch.float32, cache_dir: str | None = None
-) -> LoadedModel:
-    """Load `model` (None, or the default's served name: the default model) with weights in `dtype`."""
+def resolve_model_path(model: str | None) -> Path:
+    """The file or directory `model` names (None, or the default's served name: the default)."""
     use_default = model is None or (model == DEFAULT_MODEL_NAME and not Path(model).exists())
     path = default_model_path() if use_default else Path(str(model)).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
+    return path
+
+
+def load_tokenizer(model: str | None = None, cache_dir: str | None = None) -> Tokenizer:
+    """The tokenizer `load_model(model)` would give, without reading any weights: from a model
+    directory, from the GGUF's converted cache entry when there is one, else from the GGUF's
+    metadata (the weights stay on disk)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return Tokenizer.load(path)
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else env.cache_dir()
+    entry = cache_entry_dir(path, cache_root / "models")
+    if (entry / "tokenizer.json").is_file():
+        return Tokenizer.load(entry)
+    return gguf_loader.tokenizer_from_gguf(gguf_loader.open_gguf(path), path)
+
+
+def load_model(
+    model: str | None = None, dtype: torch.dtype = torch.float32, cache_dir: str | None = None
+) -> LoadedModel:
+    """Load `model` (None, or the default's served name: the default model) with weights in `dtype`."""
+    path = resolve_model_path(model)
     if path.is_dir():
         loaded = _load_hf_directory(path)
     elif path.suffix == ".gguf" or _has_gguf_magic(path):

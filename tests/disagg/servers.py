@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 class ServerThread:
     """`with ServerThread(app) as server: server.url` serves `app` on 127.0.0.1 until exit."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, port: int = 0) -> None:
+        """`port`: 0 picks a free one; a given port serves a restarted instance at its old URL."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")

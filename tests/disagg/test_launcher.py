@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.disagg.launcher import (
+from kvrelay.disagg.connector_plans import (
     KV_SECRET_ENV,
+    kv_transfer_config,
+    plan_example_connector,
+    plan_nixl_connector,
+)
+from kvrelay.disagg.launcher import (
     ChildProcess,
     ClusterError,
     ClusterSpec,
     LocalCluster,
     check_port_free,
     connector_plan,
-    kv_transfer_config,
-    plan_example_connector,
-    plan_nixl_connector,
     serve_argv,
     stop_children,
 )

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.disagg.launcher import ClusterSpec, LocalCluster, plan_example_connector, serve_argv
+from kvrelay.disagg.connector_plans import plan_example_connector
+from kvrelay.disagg.launcher import ClusterSpec, LocalCluster, serve_argv
 from kvrelay.disagg.placement import Placement, plan_devices, startup_waves
 
 PD = [("prefill-0", 1), ("decode-0", 1)]

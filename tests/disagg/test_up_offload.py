@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from kvrelay.config import EngineConfig
-from kvrelay.disagg.launcher import ClusterSpec, ConnectorPlan, LocalCluster, kv_transfer_config
+from kvrelay.disagg.connector_plans import ConnectorPlan, kv_transfer_config
+from kvrelay.disagg.launcher import ClusterSpec, LocalCluster
 from kvrelay.disagg.launcher_cli import offload_config
 from kvrelay.kv_transfer.base import KVCacheSpec, KVConnectorRole
 from kvrelay.kv_transfer.config import KVTransferConfig

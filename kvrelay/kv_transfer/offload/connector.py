@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
     from kvrelay.config import EngineConfig
     from kvrelay.core.sched_output import SchedulerOutput
+    from kvrelay.kv_transfer.offload.events import TierEvents
     from kvrelay.kv_transfer.offload.scheduler import OffloadScheduler
     from kvrelay.kv_transfer.offload.worker import OffloadWorker
     from kvrelay.request import Request
@@ -97,7 +98,8 @@ class OffloadConnector(KVConnectorBase):
                     for rank in range(kv_spec.tp_size)])
             self._scheduler = OffloadScheduler(
                 self.offload_config, self.block_size, fingerprint, client,
-                can_load=self.transfer_config.is_consumer, can_save=self.transfer_config.is_producer)
+                can_load=self.transfer_config.is_consumer, can_save=self.transfer_config.is_producer,
+                tier_events=_tier_events(config, kv_spec, client, self.block_size))
             self._finalizer = weakref.finalize(self, client.close)
         else:
             from kvrelay.kv_transfer.offload.worker import OffloadWorker
@@ -149,6 +151,9 @@ class OffloadConnector(KVConnectorBase):
         self.scheduler.request_finished(request)
         return False, None
 
+    def take_events(self) -> list[Any]:
+        return self.scheduler.take_events()
+
     def has_pending_work(self) -> bool:
         if self._scheduler is not None:
             return self._scheduler.has_pending_work()
@@ -187,6 +192,17 @@ class OffloadConnector(KVConnectorBase):
         """Block until every chunk store handed to the writer has been written (or failed)."""
         background = self.worker.background
         return background is None or background.wait_idle(timeout_s)
+
+
+def _tier_events(config: EngineConfig, kv_spec: KVCacheSpec, client: LookupClient | ShardedLookupClient,
+                 block_size: int) -> TierEvents | None:
+    """The tiers' KV events (events.py), when the engine publishes KV events."""
+    if config.kv_events is None or not config.kv_events.publishes:
+        return None
+    from kvrelay.kv_transfer.offload.events import TierEvents
+
+    clients = client.clients if isinstance(client, ShardedLookupClient) else [client]
+    return TierEvents(clients, [_shard(kv_spec, rank) for rank in range(kv_spec.tp_size)], block_size)
 
 
 def _weak_answer(worker: OffloadWorker) -> Any:

@@ -6,9 +6,10 @@ the lookup channel, and tells it through the per-step metadata what to load and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvrelay.core.block_hash import hash_token_blocks
 from kvrelay.kv_transfer.offload.config import OffloadConfig
 from kvrelay.kv_transfer.offload.lookup import LookupClient, ShardedLookupClient
 from kvrelay.kv_transfer.offload.meta import (
@@ -24,6 +25,8 @@ from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
     from kvrelay.core.sched_output import SchedulerOutput
+    from kvrelay.kv_events.events import KVEvent
+    from kvrelay.kv_transfer.offload.events import TierEvents
     from kvrelay.request import Request
 
 
@@ -44,12 +47,14 @@ class _Tracked:
     block_ids: list[int]
     next_chunk: int
     tail_done: bool  # the tail is stored (or found stored), or there is none to store
+    token_ids: list[int] = field(default_factory=list)  # the prompt, for the KV events' hashes
+    hashes: list[bytes] | None = None  # its full blocks' chained hashes, once needed
 
 
 class OffloadScheduler:
     def __init__(self, config: OffloadConfig, block_size: int, fingerprint: str,
                  client: LookupClient | ShardedLookupClient,
-                 can_load: bool, can_save: bool) -> None:
+                 can_load: bool, can_save: bool, tier_events: TierEvents | None = None) -> None:
         self.config = config
         self.block_size = block_size
         self.blocks_per_chunk = config.chunk_tokens // block_size
@@ -60,6 +65,8 @@ class OffloadScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadJob] = []
         self._saves_unconfirmed = False  # saves handed out since the worker last had none pending
+        self.tier_events = tier_events  # the tiers' KV events, when the engine publishes them
+        self._events_due = False  # stores or loads handed out since the tiers' events were read
 
     def _keys(self, token_ids: list[int]) -> PromptKeys:
         return prompt_keys(token_ids, self.config.chunk_tokens, self.fingerprint)
@@ -98,7 +105,8 @@ class OffloadScheduler:
         self._tracked[request.request_id] = _Tracked(
             keys, request.num_prompt_tokens, list(block_ids),
             next_chunk=max(num_stored_chunks, tracked.next_chunk if tracked else 0),
-            tail_done=tail_found or (tracked is not None and tracked.tail_done))
+            tail_done=tail_found or (tracked is not None and tracked.tail_done),
+            token_ids=request.prompt_token_ids)
         if num_external:
             chunks = self._chunk_loads(keys, block_ids, lookup.num_local, lookup.num_local + num_external)
             load_async = num_external > self.config.sync_load_max_tokens
@@ -123,6 +131,7 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ each step
     def build_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         meta = OffloadConnectorMetadata(loads=self._loads)
+        self._events_due |= bool(self._loads)  # a load may promote chunks into upper tiers
         self._loads = []
         scheduled: list[tuple[str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -130,7 +139,8 @@ class OffloadScheduler:
             if tracked is None:
                 keys = self._keys(new.prompt_token_ids)
                 tracked = self._tracked[new.req_id] = _Tracked(keys, len(new.prompt_token_ids), [], 0,
-                                                               tail_done=keys.tail is None)
+                                                               tail_done=keys.tail is None,
+                                                               token_ids=new.prompt_token_ids)
             tracked.block_ids = list(new.block_ids)  # a (re)started request: a fresh block list
             scheduled.append((new.req_id, new.num_computed_tokens))
         for cached in scheduler_output.scheduled_cached_reqs:
@@ -157,6 +167,7 @@ class OffloadScheduler:
                 if chunks[chunk] not in keys_saved and len(blocks) == self.blocks_per_chunk:
                     keys_saved.add(chunks[chunk])
                     saves.append(ChunkSave(req_id, chunks[chunk], blocks))
+                    self._saved_for_events(tracked, chunk)
             tracked.next_chunk = max(tracked.next_chunk, num_chunks)
             if not tracked.tail_done and num_done == tracked.num_prompt_tokens:
                 tracked.tail_done = True
@@ -164,6 +175,24 @@ class OffloadScheduler:
                     keys_saved.add(save.key)
                     saves.append(save)
         return saves
+
+    def _saved_for_events(self, tracked: _Tracked, chunk: int) -> None:
+        if self.tier_events is None:
+            return
+        if tracked.hashes is None:
+            tracked.hashes = hash_token_blocks(tracked.token_ids, self.block_size)
+        first = chunk * self.blocks_per_chunk
+        self.tier_events.saved(tracked.keys.chunks[chunk], tracked.hashes[first - 1] if first else None,
+                               tracked.hashes[first:first + self.blocks_per_chunk])
+        self._events_due = True
+
+    def take_events(self) -> list[KVEvent]:
+        """What the local tiers stored and dropped since the last call, as KV events (read
+        while stores are in flight, and once after)."""
+        if self.tier_events is None or not self._events_due:
+            return []
+        self._events_due = self._saves_unconfirmed
+        return self.tier_events.take()
 
     def _tail_save(self, req_id: str, tracked: _Tracked) -> ChunkSave | None:
         keys = tracked.keys

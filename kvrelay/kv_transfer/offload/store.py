@@ -17,8 +17,10 @@ timeout, not one per request.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -55,6 +57,11 @@ def private_copy(blob: Blob) -> memoryview:
     return np.frombuffer(blob, dtype=np.uint8).copy().data
 
 
+def shard_key(key: str, shard: str) -> str:
+    """The key a tier holds one tensor-parallel shard of chunk `key` under."""
+    return hashlib.sha256(f"{key}/{shard}".encode()).hexdigest()[:len(key)] if shard else key
+
+
 class TieredStore:
     def __init__(self, tiers: Sequence[StorageTier], fingerprint: str, payload_bytes: int,
                  stats: OffloadStats, retry_seconds: float = 5.0, shard: str = "") -> None:
@@ -71,12 +78,16 @@ class TieredStore:
         self._down_until: dict[str, float] = {}
         self._last_log: dict[str, float] = {}
         self.shard = shard
+        # KV events of the local tiers: (tier, "stored" | "removed", tier key); None until asked.
+        self._events: list[tuple[str, str, str]] | None = None
+        self._events_lock = threading.Lock()
+        for tier in self.tiers:
+            if not tier.remote:
+                tier.on_evict = functools.partial(self._note, tier.name, "removed")
 
     def _tier_keys(self, keys: Sequence[str]) -> list[str]:
         """Chunk keys -> the keys the tiers hold them under (the same keys without a shard)."""
-        if not self.shard:
-            return list(keys)
-        return [hashlib.sha256(f"{key}/{self.shard}".encode()).hexdigest()[:len(key)] for key in keys]
+        return [shard_key(key, self.shard) for key in keys]
 
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Sequence[str]) -> int:
@@ -122,6 +133,7 @@ class TieredStore:
                                  f"offload_{tier.name}_misses": len(missing) - hits})
             if corrupt:
                 self._guarded(tier, "remove", self._tier_keys(corrupt))
+                self._note(tier.name, "removed", self._tier_keys(corrupt))
             if promote and level > 0:
                 self._promote(self.tiers[:level], promote)
         return payloads
@@ -145,20 +157,40 @@ class TieredStore:
         for tier in upper:
             if self._guarded(tier, "put", items) is not None:
                 self.stats.add("offload_promotions", len(items))
+                self._note(tier.name, "stored", [tier_key for tier_key, _ in items])
 
     # ------------------------------------------------------------------ writes
     def put(self, key: str, blob: Blob, reused: bool = False) -> bool:
         """Write through to every tier; True when at least one tier stored the chunk.
         `reused`: the caller reuses `blob` afterwards, so a tier that keeps blobs gets a copy."""
         stored = False
+        tier_key = shard_key(key, self.shard)
         for tier in self.tiers:
             kept = private_copy(blob) if reused and tier.keeps_blobs else blob
-            stored |= self._guarded(tier, "put", [(self._tier_keys([key])[0], kept)]) is not None
+            if self._guarded(tier, "put", [(tier_key, kept)]) is not None:
+                stored = True
+                if self._events is not None and not tier.remote and tier.contains([tier_key])[0]:
+                    self._note(tier.name, "stored", [tier_key])
         return stored
 
     def remove(self, keys: Sequence[str]) -> None:
         for tier in self.tiers:
             self._guarded(tier, "remove", self._tier_keys(keys))
+            self._note(tier.name, "removed", self._tier_keys(keys))
+
+    def take_events(self) -> list[tuple[str, str, str]]:
+        """The local tiers' changes since the last call: (tier name, "stored" | "removed", tier
+        key), in order. Recording starts with the first call: nobody asking, nothing is kept."""
+        with self._events_lock:
+            events, self._events = self._events or [], []
+        return events
+
+    def _note(self, tier_name: str, kind: str, tier_keys: Sequence[str]) -> None:
+        if self._events is None or any(t.name == tier_name and t.remote for t in self.tiers):
+            return
+        with self._events_lock:
+            if self._events is not None:
+                self._events.extend((tier_name, kind, tier_key) for tier_key in tier_keys)
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -110,6 +110,8 @@ class OffloadWorker:
             return self.store.lookup(keys) if isinstance(keys, list) else 0
         if message[0] == "pending":
             return self.background.wait_pending(_PENDING_WAIT_SECONDS) if self.background else 0
+        if message[0] == "events":
+            return self.store.take_events()
         raise ValueError(f"unknown offload lookup message {message[0]!r}")
 
 

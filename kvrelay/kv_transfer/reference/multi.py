@@ -135,6 +135,9 @@ class MultiConnector(KVConnectorBase):
     def has_pending_work(self) -> bool:
         return any(child.has_pending_work() for child in self.connectors)
 
+    def take_events(self) -> list[Any]:
+        return [event for child in self.connectors for event in child.take_events()]
+
     def take_stats(self) -> dict[str, float]:
         stats = super().take_stats()
         for child in self.connectors:

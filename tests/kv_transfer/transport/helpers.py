@@ -33,13 +33,14 @@ def require_backend(name: str) -> None:
             pytest.skip(f"{reason} (pip install 'kvrelay[mooncake]'; sh scripts/install_mooncake_deps.sh)")
 
 
-def wait_for(check: Callable[[], T], timeout_s: float = 10.0, what: str = "condition") -> T:
+def wait_for(check: Callable[[], T], timeout_s: float = 10.0, what: str = "condition",
+             interval_s: float = 0.002) -> T:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         result = check()
         if result:
             return result
-        time.sleep(0.002)
+        time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 

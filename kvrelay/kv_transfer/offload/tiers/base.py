@@ -9,7 +9,7 @@ raises TierError; the TieredStore above it turns that into a miss and keeps serv
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 
@@ -34,6 +34,12 @@ class StorageTier(ABC):
 
     def __init__(self, stats: OffloadStats) -> None:
         self.stats = stats
+        # Told the keys a tier drops on its own (LRU eviction), for the KV events (store.py).
+        self.on_evict: Callable[[Sequence[str]], None] | None = None
+
+    def _evicted(self, keys: Sequence[str]) -> None:
+        if keys and self.on_evict is not None:
+            self.on_evict(keys)
 
     @abstractmethod
     def contains(self, keys: Sequence[str]) -> list[bool]:

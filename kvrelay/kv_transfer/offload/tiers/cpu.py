@@ -42,15 +42,17 @@ class CpuTier(StorageTier):
         return found
 
     def put(self, items: Sequence[tuple[str, Blob]]) -> None:
-        evicted = 0
+        evicted, num_evicted = [], 0
         with self._lock:
             for key, blob in items:
                 self._blobs[key] = blob
                 for old in self._lru.add(key, len(blob)):
                     self._blobs.pop(old, None)
-                    evicted += old != key
+                    evicted.append(old)
+                    num_evicted += old != key
+        self._evicted(evicted)
         self.stats.add_many({"offload_cpu_bytes_written": sum(len(b) for _, b in items),
-                             "offload_cpu_evictions": evicted})
+                             "offload_cpu_evictions": num_evicted})
 
     def remove(self, keys: Sequence[str]) -> None:
         with self._lock:

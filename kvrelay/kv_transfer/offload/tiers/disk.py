@@ -124,6 +124,7 @@ class DiskTier(StorageTier):
             self._path(key).unlink(missing_ok=True)
             if key != keep_unless_too_big:
                 self.stats.add("offload_disk_evictions")
+        self._evicted(keys)
 
     def remove(self, keys: Sequence[str]) -> None:
         with self._lock:
