@@ -108,7 +108,10 @@ class ModelConfig:
     # "auto": float32 on the CPU, the checkpoint's dtype on a GPU (resolved by the engine once it
     # knows the checkpoint; on the CPU here already).
     dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N; resolved here ("auto": a GPU if visible)
+    # auto | cpu | cuda | cuda:N. An explicit device is checked here; "auto" (a GPU if one is
+    # visible) is resolved by the engine or the CLI, which import torch anyway: the scheduler side
+    # builds configs without importing it.
+    device: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     served_model_name: str | None = None
@@ -118,7 +121,8 @@ class ModelConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "device", resolve_device(self.device))
+        if str(self.device).strip().lower() != "auto":
+            object.__setattr__(self, "device", resolve_device(self.device))
         dtype = normalize_dtype(self.dtype)
         if self.device == "cpu":  # a GPU's "auto" waits for the checkpoint (the engine resolves it)
             dtype = resolve_dtype(dtype, self.device)
@@ -131,7 +135,7 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.attention_backend == "cpu" and self.device != "cpu":
+        if self.attention_backend == "cpu" and self.device not in ("cpu", "auto"):
             raise ValueError(f"attention_backend 'cpu' runs the native CPU kernels; device is {self.device}")
         if self.attention_backend == "triton" and self.device == "cpu" and not _triton_interpreted():
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 "

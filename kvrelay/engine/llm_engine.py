@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvrelay.config import EngineConfig, resolve_dtype
+from kvrelay.config import EngineConfig, resolve_device, resolve_dtype
 from kvrelay.core.scheduler import Scheduler
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
@@ -54,11 +54,19 @@ class LLMEngine:
                                  torch.device(config.model.device))
         self.eos_token_ids = tuple(sorted(set(self.tokenizer.stop_token_ids) | set(self.spec.eos_token_ids)))
         plan = WorkerPlan(config=config, spec=self.spec, eos_token_ids=self.eos_token_ids, kv=self.kv)
+        # NOTE: the scheduler side's connector first, as before the workers existed (it needs no
+        # block count); it is shut down again if the workers cannot start.
+        connector = self._build_scheduler_connector(config)
         # NOTE: "mp" workers load a model path themselves (memory-mapped); an in-memory model's
         # tensors are handed over. The engine keeps no reference to the weights after this.
         in_memory = loaded.source == "memory" or config.parallel.distributed_executor_backend == "uni"
         weights, loaded.weights = (loaded.weights if in_memory else None), {}
-        self.executor = create_executor(plan, weights, None if in_memory else loaded.source)
+        try:
+            self.executor = create_executor(plan, weights, None if in_memory else loaded.source)
+        except BaseException:
+            if connector is not None:
+                connector.shutdown()
+            raise
         del weights
         try:
             # NOTE: the workers measure what they can hold first; the cache (and the context
@@ -66,10 +74,11 @@ class LLMEngine:
             self.num_blocks = self._num_blocks(config)
             self.max_model_len = self._max_model_len(config)
             self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
-            self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len,
-                                       self._build_scheduler_connector(config),
+            self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, connector,
                                        self._build_event_publisher(config))
         except BaseException:
+            if connector is not None:
+                connector.shutdown()
             self.executor.shutdown()
             raise
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -233,8 +242,9 @@ class LLMEngine:
 
 
 def _with_dtype(config: EngineConfig, checkpoint: str | None) -> EngineConfig:
-    """`config` with --dtype auto resolved for its device (the checkpoint's dtype on a GPU)."""
-    dtype = resolve_dtype(config.model.dtype, config.model.device, checkpoint)
-    if dtype == config.model.dtype:
+    """`config` with --device auto and --dtype auto resolved (the checkpoint's dtype on a GPU)."""
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device, checkpoint)
+    if (device, dtype) == (config.model.device, config.model.dtype):
         return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device, dtype=dtype))

@@ -31,6 +31,7 @@ from kvrelay.config import (
     normalize_dtype,
     normalize_kv_cache_dtype,
     parse_size,
+    resolve_device,
 )
 
 ENGINE_COMMANDS = frozenset({"generate", "chat", "serve", "profile", "up"})
@@ -78,7 +79,7 @@ class EngineArgs:
         with _naming_the_flag():
             if self.threads is not None and self.threads < 1:
                 raise ValueError(f"threads must be >= 1, got {self.threads}")
-            model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
+            model = ModelConfig(model=self.model, dtype=self.dtype, device=resolve_device(self.device),
                                 max_model_len=self.max_model_len, seed=self.seed,
                                 served_model_name=self.served_model_name, enforce_eager=self.enforce_eager,
                                 attention_backend=self.attention_backend)
