@@ -33,6 +33,9 @@ class DeviceInputs:
     query_start_loc: torch.Tensor  # [S + 1] int32
 
 
+_LIST_MAX_SEQS = 8  # up to this many sequences, a decode-only step's arrays are built in Python
+
+
 @dataclass
 class StepBatch:
     """One step's sequences, in the flat batch's order, on the host.
@@ -52,22 +55,61 @@ class StepBatch:
     slot_mapping: np.ndarray = field(init=False)  # [T] int64: block_id * block_size + offset
     # What the runner uploaded for this step (None: a backend uploads what it needs itself).
     uploaded: DeviceInputs | None = field(default=None, repr=False)
+    _decode_only: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        needed = (self.seq_lens + self.block_size - 1) // self.block_size  # [S]
-        valid = (self.query_lens >= 0) & (self.seq_lens >= self.query_lens) & (self.num_blocks >= needed)
-        if not valid.all():
-            for i, (query_len, seq_len, valid) in enumerate(zip(
-                    self.query_lens.tolist(), self.seq_lens.tolist(), self.num_blocks.tolist(), strict=True)):
-                _check_seq(i, query_len, seq_len, valid, self.block_size)
-        self.query_start_loc = np.zeros(len(self.query_lens) + 1, dtype=np.int32)
-        np.cumsum(self.query_lens, out=self.query_start_loc[1:])
-        seq = np.repeat(np.arange(len(self.query_lens)), self.query_lens)  # [T], each token's sequence
-        first = (self.seq_lens - self.query_lens)[seq]  # [T], its sequence's first query position
-        positions = first + np.arange(len(seq)) - self.query_start_loc[:-1][seq]  # [T]
-        blocks = self.block_tables[seq, positions // self.block_size].astype(np.int64)  # [T]
-        self.slot_mapping = blocks * self.block_size + positions % self.block_size  # [T]
-        self.positions = positions.astype(np.int64)
+        num_seqs = len(self.query_lens)
+        if 0 < num_seqs <= _LIST_MAX_SEQS:
+            query_lens = self.query_lens.tolist()
+            self._decode_only = query_lens.count(1) == num_seqs
+        else:
+            self._decode_only = num_seqs > 0 and bool((self.query_lens == 1).all())
+        if self._decode_only and num_seqs <= _LIST_MAX_SEQS:
+            self._small_decode()
+            return
+        if self._decode_only:  # the common step, in fewer array operations: token i is sequence i's
+            positions = self.seq_lens - 1  # [S], the one position each sequence computes
+            block_index = positions // self.block_size  # [S]
+            if positions.min() < 0 or (block_index >= self.num_blocks).any():
+                self._check_each()
+            self.query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
+            blocks = self.block_tables[np.arange(num_seqs), block_index]  # [S]
+        else:
+            needed = (self.seq_lens + self.block_size - 1) // self.block_size  # [S]
+            lengths_ok = (self.query_lens >= 0) & (self.seq_lens >= self.query_lens)  # [S]
+            if not (lengths_ok & (self.num_blocks >= needed)).all():
+                self._check_each()
+            self.query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+            np.cumsum(self.query_lens, out=self.query_start_loc[1:])
+            seq = np.repeat(np.arange(num_seqs), self.query_lens)  # [T], each token's sequence
+            first = (self.seq_lens - self.query_lens)[seq]  # [T], its sequence's first query position
+            positions = first + np.arange(len(seq)) - self.query_start_loc[:-1][seq]  # [T]
+            blocks = self.block_tables[seq, positions // self.block_size]  # [T]
+        self.positions = positions.astype(np.int64)  # [T]
+        offsets = self.positions % self.block_size  # [T]
+        self.slot_mapping = blocks.astype(np.int64) * self.block_size + offsets  # [T]
+
+    def _small_decode(self) -> None:
+        """A decode-only step of a few sequences, in plain Python: the same arrays as the vectorised
+        path, without its ~1 us per numpy call (a dozen of them) that outweighs the work here."""
+        block_size, tables = self.block_size, self.block_tables
+        positions, slots = [], []
+        for i, (seq_len, num_blocks) in enumerate(zip(self.seq_lens.tolist(), self.num_blocks.tolist(),
+                                                       strict=True)):
+            position = seq_len - 1
+            if position < 0 or position // block_size >= num_blocks:
+                self._check_each()
+            positions.append(position)
+            slots.append(int(tables[i, position // block_size]) * block_size + position % block_size)
+        self.query_start_loc = np.arange(len(positions) + 1, dtype=np.int32)
+        self.positions = np.array(positions, dtype=np.int64)  # [S]
+        self.slot_mapping = np.array(slots, dtype=np.int64)  # [S]
+
+    def _check_each(self) -> None:
+        """Raise ValueError naming the first sequence whose lengths or block table are invalid."""
+        for i, (query_len, seq_len, num_blocks) in enumerate(zip(
+                self.query_lens.tolist(), self.seq_lens.tolist(), self.num_blocks.tolist(), strict=True)):
+            _check_seq(i, query_len, seq_len, num_blocks, self.block_size)
 
     @classmethod
     def from_lists(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -112,7 +154,7 @@ class StepBatch:
     @property
     def is_decode_only(self) -> bool:
         """Every sequence has exactly one query token (a CUDA graph can replay this step)."""
-        return self.num_seqs > 0 and bool((self.query_lens == 1).all())
+        return self._decode_only
 
 
 def _check_seq(i: int, query_len: int, seq_len: int, num_blocks: int, block_size: int) -> None:
@@ -172,8 +214,6 @@ class AttentionMetadata:
     query_start_loc: list[int]  # len num_seqs + 1; seq i owns flat tokens [qsl[i], qsl[i+1])
     seq_lens: list[int]  # context length of seq i after this step
     block_size: int
-    slot_block_ids: torch.Tensor  # [num_tokens] int64: slot_mapping // block_size
-    slot_offsets: torch.Tensor  # [num_tokens] int64: slot_mapping % block_size
     decode: DecodeBatch | None
     prefills: list[PrefillSeq]
     slot_range: tuple[int, int]  # (min, max) of slot_mapping, (0, -1) if empty; checked before C writes
@@ -181,6 +221,22 @@ class AttentionMetadata:
     workspace: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(
         default_factory=dict, repr=False
     )
+    _slots: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def slot_block_ids(self) -> torch.Tensor:
+        """[num_tokens] int64: slot_mapping // block_size (the torch route's KV write; built once)."""
+        return self._slot_split()[0]
+
+    @property
+    def slot_offsets(self) -> torch.Tensor:
+        """[num_tokens] int64: slot_mapping % block_size."""
+        return self._slot_split()[1]
+
+    def _slot_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._slots is None:
+            self._slots = (self.slot_mapping // self.block_size, self.slot_mapping % self.block_size)
+        return self._slots
 
     def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A scratch tensor reused by every layer of this step (layers run one after another)."""
@@ -207,22 +263,32 @@ def build_attention_metadata(
 
 def reference_metadata(batch: StepBatch) -> AttentionMetadata:
     """The CPU and torch routes' metadata of a step (built once per step, shared by all layers)."""
-    slot_mapping = torch.from_numpy(batch.slot_mapping).to(batch.device)  # [T] int64
-    is_decode = batch.query_lens == 1  # [S]
-    decode = _decode_batch(batch, np.flatnonzero(is_decode)) if is_decode.any() else None
+    if batch.uploaded is not None and batch.uploaded.slot_mapping.device == batch.device:
+        slot_mapping = batch.uploaded.slot_mapping  # [T] int64, already there
+    else:
+        slot_mapping = torch.from_numpy(batch.slot_mapping).to(batch.device)
     qsl = batch.query_start_loc.tolist()
-    prefills = [_prefill_seq(batch, int(i), qsl[i]) for i in np.flatnonzero(batch.query_lens > 1)]
+    if batch.is_decode_only:
+        decode: DecodeBatch | None = _decode_batch(batch, None)
+        prefills = []
+    else:
+        is_decode = batch.query_lens == 1  # [S]
+        decode = _decode_batch(batch, np.flatnonzero(is_decode)) if is_decode.any() else None
+        prefills = [_prefill_seq(batch, int(i), qsl[i]) for i in np.flatnonzero(batch.query_lens > 1)]
     slots = batch.slot_mapping
+    if len(slots) <= _LIST_MAX_SEQS:  # Python's min and max beat numpy's reductions on a few
+        slot_list = slots.tolist()
+        slot_range = (min(slot_list), max(slot_list)) if slot_list else (0, -1)
+    else:
+        slot_range = (int(slots.min()), int(slots.max()))
     return AttentionMetadata(
         slot_mapping=slot_mapping,
         query_start_loc=qsl,
         seq_lens=batch.seq_lens.tolist(),
         block_size=batch.block_size,
-        slot_block_ids=slot_mapping // batch.block_size,
-        slot_offsets=slot_mapping % batch.block_size,
         decode=decode,
         prefills=prefills,
-        slot_range=(int(slots.min()), int(slots.max())) if len(slots) else (0, -1),
+        slot_range=slot_range,
     )
 
 
@@ -239,23 +305,30 @@ def _prefill_seq(batch: StepBatch, i: int, start: int) -> PrefillSeq:
     return PrefillSeq(start, start + query_len, seq_len, block_ids, mask)
 
 
-def _decode_batch(batch: StepBatch, seqs: np.ndarray) -> DecodeBatch:
-    lens = batch.seq_lens[seqs]  # [n]
+def _decode_batch(batch: StepBatch, seqs: np.ndarray | None) -> DecodeBatch:
+    """The one-query sequences `seqs` (None: every sequence of a decode-only step)."""
+    lens = batch.seq_lens if seqs is None else batch.seq_lens[seqs]  # [n]
+    tables = batch.block_tables if seqs is None else batch.block_tables[seqs]  # [n, W]
     block_size, device = batch.block_size, batch.device
-    max_blocks = cdiv(int(lens.max()), block_size)
-    used = (lens + block_size - 1) // block_size  # [n], blocks each sequence reads
-    rows = batch.block_tables[seqs][:, :max_blocks].astype(np.int64)  # [n, max_blocks]
-    if rows.shape[1] < max_blocks:  # the tables hold fewer columns than the longest needs
-        raise ValueError(f"block tables are {rows.shape[1]} wide, the longest sequence needs {max_blocks}")
-    padding = np.arange(max_blocks)[None, :] >= used[:, None]  # [n, max_blocks]
-    rows = np.where(padding, rows[:, :1], rows)  # pad with a real block (the row's first)
-    rows_in_batch = batch.query_start_loc[seqs]  # [n]
-    first = int(rows_in_batch[0])
+    lens_list = lens.tolist()
+    max_blocks = cdiv(max(lens_list), block_size)
+    if tables.shape[1] < max_blocks:  # the tables hold fewer columns than the longest needs
+        raise ValueError(f"block tables are {tables.shape[1]} wide, the longest sequence needs {max_blocks}")
+    rows = tables[:, :max_blocks].astype(np.int64)  # [n, max_blocks]
+    if min(lens_list) <= (max_blocks - 1) * block_size:  # a shorter row: pad it with a real block (its first)
+        used = (lens + block_size - 1) // block_size  # [n], blocks each sequence reads
+        padding = np.arange(max_blocks)[None, :] >= used[:, None]  # [n, max_blocks]
+        rows = np.where(padding, rows[:, :1], rows)
     token_index: slice | torch.Tensor
-    if (np.diff(rows_in_batch) == 1).all():
-        token_index = slice(first, first + len(seqs))
+    if seqs is None:
+        token_index = slice(0, len(lens_list))
     else:
-        token_index = torch.from_numpy(rows_in_batch.astype(np.int64)).to(device)
-    return DecodeBatch(token_index, len(seqs), max_blocks, torch.from_numpy(rows.reshape(-1)).to(device),
+        rows_in_batch = batch.query_start_loc[seqs]  # [n]
+        first = int(rows_in_batch[0])
+        if (np.diff(rows_in_batch) == 1).all():
+            token_index = slice(first, first + len(seqs))
+        else:
+            token_index = torch.from_numpy(rows_in_batch.astype(np.int64)).to(device)
+    return DecodeBatch(token_index, len(lens_list), max_blocks, torch.from_numpy(rows.reshape(-1)).to(device),
                        torch.from_numpy(lens.astype(np.int64)).to(device), int(rows.max()),
                        max_blocks * block_size)

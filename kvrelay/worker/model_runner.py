@@ -20,7 +20,6 @@ import logging
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvrelay.attention.backends import AttentionBackend, select_backend
@@ -167,21 +166,23 @@ class ModelRunner:
     def _sample(self, req_ids: list[str], batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         assert self.requests is not None
         # A request samples when this step computed its last known token.
-        last_rows = batch.query_start_loc[1:] - 1  # [S], each sequence's last row in the batch
-        known = np.fromiter((len(self.requests[rid].token_ids) for rid in req_ids), dtype=np.int64,
-                            count=len(req_ids))
-        samples = np.flatnonzero(batch.seq_lens == known)  # [N], the sequences that sample
+        requests = self.requests
+        samples = [i for i, (rid, seq_len) in enumerate(zip(req_ids, batch.seq_lens.tolist(), strict=True))
+                   if seq_len == len(requests[rid].token_ids)]  # [N], the sequences that sample
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
-        if len(samples):
-            rows = hidden if len(samples) == hidden.shape[0] else hidden[
-                torch.from_numpy(last_rows[samples].astype(np.int64)).to(hidden.device)]
+        if samples:
+            if len(samples) == hidden.shape[0]:
+                rows = hidden
+            else:  # each sampling sequence's last row in the batch
+                ends = batch.query_start_loc.tolist()
+                rows = hidden[torch.tensor([ends[i + 1] - 1 for i in samples], device=hidden.device)]
             # NOTE: every rank takes part (the LM head is vocab-parallel above TP 1, the same
             # rows on every rank); only rank 0 gets the logits and samples.
             logits = self.model.compute_logits(rows)  # [N, vocab]
             if logits is None:
                 return ModelRunnerOutput.empty()
-            sampling_ids = [req_ids[i] for i in samples.tolist()]
+            sampling_ids = [req_ids[i] for i in samples]
             sampling_rows = [self.requests[rid].sampling_row() for rid in sampling_ids]
             token_ids, token_logprobs = self.sampler(logits, sampling_rows)
             for rid, tok, lp in zip(sampling_ids, token_ids, token_logprobs, strict=True):

@@ -2,9 +2,9 @@
 
 Each live request holds a row of one block table kept in numpy (its block ids, appended as the
 scheduler hands out blocks), its known token ids and how many of them are computed. A step's
-inputs then come from indexing: the scheduled requests' rows give the step's block tables, their
-slots and positions come out of `StepBatch`'s vectorised arithmetic, and only the token ids are
-gathered per request.
+inputs then come from one pass over the scheduled requests (their rows, lengths and token ids)
+and indexing: their rows give the step's block tables, and their slots and positions come out of
+`StepBatch`.
 """
 
 from __future__ import annotations
@@ -85,24 +85,25 @@ class RequestTable:
 
     def step_inputs(self, req_ids: list[str], num_scheduled: dict[str, int]) -> tuple[StepBatch, np.ndarray]:
         """The step of `req_ids` (in this order), and its input token ids [T] int64."""
-        states = [self.requests[req_id] for req_id in req_ids]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))  # [S]
-        query_lens = np.fromiter((num_scheduled[r] for r in req_ids), dtype=np.int32, count=len(states))
-        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int32, count=len(states))
-        seq_lens = starts + query_lens  # [S]
-        width = max(1, int((seq_lens.max(initial=0) + self.block_size - 1) // self.block_size))
-        batch = StepBatch(query_lens=query_lens, seq_lens=seq_lens,
-                          block_tables=self.block_table[rows, :width], num_blocks=self.num_blocks[rows],
-                          block_size=self.block_size, device=self.device)
-        input_ids = np.empty(batch.num_tokens, dtype=np.int64)  # [T]
-        offset = 0
-        for state, start, n in zip(states, starts.tolist(), query_lens.tolist(), strict=True):
+        rows, query_lens, seq_lens, input_ids = [], [], [], []
+        for req_id in req_ids:  # one pass over the requests; the rest is array arithmetic
+            state = self.requests[req_id]
+            start, n = state.num_computed_tokens, num_scheduled[req_id]
+            rows.append(state.row)
+            query_lens.append(n)
+            seq_lens.append(start + n)
             if n == 1:
-                input_ids[offset] = state.token_ids[start]
+                input_ids.append(state.token_ids[start])
             else:
-                input_ids[offset:offset + n] = state.token_ids[start:start + n]
-            offset += n
-        return batch, input_ids
+                input_ids.extend(state.token_ids[start:start + n])
+        row_index = np.array(rows, dtype=np.int64)  # [S]
+        width = max(1, (max(seq_lens, default=0) + self.block_size - 1) // self.block_size)
+        batch = StepBatch(query_lens=np.array(query_lens, dtype=np.int32),
+                          seq_lens=np.array(seq_lens, dtype=np.int32),
+                          block_tables=self.block_table[row_index, :width],
+                          num_blocks=self.num_blocks[row_index], block_size=self.block_size,
+                          device=self.device)
+        return batch, np.array(input_ids, dtype=np.int64)  # [T]
 
     def _take_row(self) -> int:
         if not self._free_rows:  # more live requests than rows (preempted ones keep theirs): grow
