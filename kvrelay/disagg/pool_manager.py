@@ -36,7 +36,7 @@ class PoolManager:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.index = KVIndex(config.kv_index_stale_after) if config.kv_aware else None
-        self.subscriber = KVEventSubscriber(self.index) if self.index is not None else None
+        self.subscriber: KVEventSubscriber | None = None  # its thread starts with start()
         self.prefill = BackendPool("prefill", config.prefill_urls,
                                    create_policy(config.prefill_routing, "prefill", self.index))
         self.decode = BackendPool("decode", config.decode_urls,
@@ -64,6 +64,8 @@ class PoolManager:
 
     async def start(self, client: httpx.AsyncClient) -> None:
         self._client = client
+        if self.index is not None and self.subscriber is None:
+            self.subscriber = KVEventSubscriber(self.index)
         for backend in self.members():
             await self._track_index(backend)
         if self.config.health_interval > 0:
@@ -76,6 +78,7 @@ class PoolManager:
         self._tasks.clear()
         if self.subscriber is not None:
             self.subscriber.close()
+            self.subscriber = None
 
     # ------------------------------------------------------------------ membership
 

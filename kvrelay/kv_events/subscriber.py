@@ -95,6 +95,7 @@ class KVEventSubscriber:
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.Queue[tuple[str, str, StreamAddress | None, threading.Event]] = queue.Queue()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set with every command and by close()
         self._lock = threading.Lock()  # guards `_streams` and the stats read from other threads
         self._poller = zmq.Poller()  # NOTE: used by the thread only, like every socket
         self._thread = threading.Thread(target=self._run, name="kv-events-subscriber", daemon=True)
@@ -116,11 +117,13 @@ class KVEventSubscriber:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5.0)
 
     def _command(self, verb: str, source: str, address: StreamAddress | None) -> None:
         done = threading.Event()
         self._commands.put((verb, source, address, done))
+        self._wake.set()
         if self._thread.is_alive():
             done.wait(timeout=5.0)
 
@@ -130,6 +133,12 @@ class KVEventSubscriber:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
+                if not self._streams:
+                    # NOTE: zmq's poll returns at once when no socket is registered: without this
+                    # wait an idle subscriber spins, holding the GIL from every other thread.
+                    self._wake.wait(_POLL_MS / 1000)
+                    self._wake.clear()  # a command put before this is drained at the loop's top
+                    continue
                 ready = dict(self._poller.poll(_POLL_MS))
                 for stream in list(self._streams.values()):
                     self._service(stream, ready)

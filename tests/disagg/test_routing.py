@@ -233,3 +233,22 @@ def test_a_prompt_the_proxy_cannot_tokenize_is_routed_by_load(tmp_path: Path) ->
         complete(url, "t5 t6", truncate_prompt_tokens=1)  # its tokens depend on D's context length
         assert metric(url, "kvrelay_proxy_routing_decisions_total", role="prefill",
                       reason="prompt_not_hashable") == 1
+
+
+def subscriber_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name == "kv-events-subscriber"]
+
+
+def test_a_proxy_refused_or_never_started_leaves_no_subscriber_thread() -> None:
+    """The KV event subscriber's thread starts with the proxy and stops with it: a proxy whose
+    config is refused, or that is built and dropped, must not leave one behind."""
+    before = subscriber_threads()
+    urls = {"prefill_urls": ("http://127.0.0.1:9",), "decode_urls": ("http://127.0.0.1:10",)}
+    with pytest.raises(ValueError, match="one KV address"):
+        DisaggProxy(ProxyConfig(**urls, prefill_routing="kv-aware", transfer_mode="push",
+                                tokenizer=tokenizer()))
+    proxy = DisaggProxy(ProxyConfig(**urls, prefill_routing="kv-aware", tokenizer=tokenizer()))
+    assert proxy.manager.subscriber is None
+    assert subscriber_threads() == before

@@ -237,3 +237,27 @@ def test_the_config_takes_vllms_keys_and_refuses_others() -> None:
                          ("[1]", "must be a JSON object"), ("{", "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             KVEventsConfig.from_any(bad)
+
+
+def test_an_idle_subscriber_waits_instead_of_spinning(monkeypatch: pytest.MonkeyPatch,
+                                                      sink: RecordingSink) -> None:
+    """With no stream to follow, zmq's poll returns at once; the loop must then wait, or it holds
+    the GIL from every other thread of the process (a proxy with kv-aware routing and no
+    instance publishing events slowed its own requests to a crawl)."""
+    turns = 0
+    apply = KVEventSubscriber._apply_commands
+
+    def counted(self: KVEventSubscriber) -> None:
+        nonlocal turns
+        turns += 1
+        apply(self)
+
+    monkeypatch.setattr(KVEventSubscriber, "_apply_commands", counted)
+    subscriber = KVEventSubscriber(sink)
+    try:
+        threading.Event().wait(0.5)
+        assert 1 <= turns < 100  # about 10 turns of 50 ms; a spinning loop makes 100,000s
+        subscriber.remove("nobody")  # a command still gets through at once
+    finally:
+        subscriber.close()
+    assert not subscriber._thread.is_alive()

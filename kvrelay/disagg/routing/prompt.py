@@ -8,7 +8,7 @@ The proxy tokenizes with the model's own tokenizer and the server's own code
 from __future__ import annotations
 
 import logging
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.core.block_hash import hash_token_blocks
@@ -67,10 +67,8 @@ class PromptReader:
         model's cannot be loaded) prompts are not hashed; an explicit model that fails is an error."""
         if tokenizer is not None:
             return cls(tokenizer)
-        from kvrelay.model.loader import load_tokenizer
-
         try:
-            return cls(load_tokenizer(model))
+            return cls(_shared_tokenizer(model))
         except (FileNotFoundError, ValueError) as e:
             if model is not None:
                 raise
@@ -101,6 +99,15 @@ class PromptReader:
         from kvrelay.entrypoints.prompt_tokens import request_prompt_token_ids
 
         return PromptBlocks(request_prompt_token_ids(self.tokenizer, route, body))
+
+
+@lru_cache(maxsize=4)
+def _shared_tokenizer(model: str | None) -> Tokenizer:
+    """One tokenizer per model and process: reading a GGUF's vocabulary takes seconds, and every
+    proxy (the tests build hundreds) would pay it again. A failed load is not remembered."""
+    from kvrelay.model.loader import load_tokenizer
+
+    return load_tokenizer(model)
 
 
 async def _tokenize(client: httpx.AsyncClient, url: str, probe: dict[str, Any], headers: dict[str, str],
