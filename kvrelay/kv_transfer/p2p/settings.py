@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvrelay.kv_transfer.config import KVTransferConfig
     from kvrelay.kv_transfer.transport.base import KVTransport
 
-BACKENDS = ("nixl", "tcp", "mooncake")
+BACKENDS = ("nixl", "tcp", "mooncake", "cuda_ipc")
 
 
 def default_backend() -> str:
@@ -99,6 +99,9 @@ def make_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
     engine_id, host = transfer_config.engine_id, transfer_config.kv_ip
     if settings.backend == "tcp":
         return transport.create_transport("tcp", engine_id, host, secret=secret,
+                                          timeout_s=settings.transfer_timeout_seconds)
+    if settings.backend == "cuda_ipc":
+        return transport.create_transport("cuda_ipc", engine_id, host, secret=secret,
                                           timeout_s=settings.transfer_timeout_seconds)
     if settings.backend == "mooncake":
         return transport.create_transport("mooncake", engine_id, host, secret=secret,
