@@ -154,6 +154,24 @@ def test_without_a_gpu_backend_cuda_ipc_is_refused_naming_the_problem() -> None:
         create_transport("cuda_ipc", "engine-p")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: nothing to refuse")
+def test_serve_with_backend_cuda_ipc_and_no_gpu_exits_2_naming_the_problem(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.tiny import write_tiny_model_dir
+
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_port": 29731,
+              "kv_connector_extra_config": {"backend": "cuda_ipc"}}
+    done = subprocess.run([sys.executable, "-m", "kvrelay.entrypoints.cli", "serve",
+                           str(write_tiny_model_dir(tmp_path)), "--port", "0", "--kv-cache-memory", "4MiB",
+                           "--kv-transfer-config", json.dumps(config)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr
+    assert "backend 'cuda_ipc' needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_kv_in_host_memory_is_refused_by_the_cuda_seam() -> None:
     from kvrelay.kv_transfer.transport.ipc import require_gpu_kv
 
