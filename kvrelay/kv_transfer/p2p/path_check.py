@@ -39,6 +39,7 @@ def check_transfer_path(settings: NixlConfig, transfer_config: KVTransferConfig,
     A measurement that fails is logged as a warning and returns None: the instance still serves
     (its transfers will fail and recover by the failure policy) unless a device path is required."""
     backend = settings.backend
+    staged = transfer_config.kv_buffer_device == "cpu"
     result = None
     if settings.loopback_check_bytes:
         def make(engine_id: str) -> KVTransport:
@@ -47,13 +48,13 @@ def check_transfer_path(settings: NixlConfig, transfer_config: KVTransferConfig,
 
         try:
             result = measure_loopback(backend, device, make, settings.loopback_check_bytes,
-                                      settings.transfer_timeout_seconds)
+                                      settings.transfer_timeout_seconds, staged)
         except Exception as e:
             logger.warning("KV transfer path: the %s loopback check on %s failed: %s", backend, device, e)
         else:
             logger.info("KV transfer path: backend %s on %s took path %s: %.2f GB/s (loopback, %d MiB)",
                         backend, device, result.path.name, result.gbps, result.num_bytes >> 20)
-    path = result.path if result is not None else data_path(backend, device)
+    path = result.path if result is not None else data_path(backend, device, staged)
     if device != "cpu" and path.cause is not None:
         problem = (f"KV lives on {device} but backend {backend!r} takes path {path.name!r}, not a CUDA "
                    f"one: {path.cause}")

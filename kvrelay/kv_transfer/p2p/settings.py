@@ -115,6 +115,16 @@ def build_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
                     secret: bytes | None) -> KVTransport:
     """make_transport's work, never replaced by tests: the start-up path check builds its
     loopback pair with it, so it measures the backend the user configured."""
+    inner = _backend_transport(settings, transfer_config, secret)
+    if transfer_config.kv_buffer_device != "cpu":
+        return inner
+    from kvrelay.kv_transfer.transport.staging import StagedTransport
+
+    return StagedTransport(inner)
+
+
+def _backend_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
+                       secret: bytes | None) -> KVTransport:
     from kvrelay.kv_transfer import transport
 
     engine_id, host = transfer_config.engine_id, transfer_config.kv_ip
@@ -122,6 +132,9 @@ def build_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
         return transport.create_transport("tcp", engine_id, host, secret=secret,
                                           timeout_s=settings.transfer_timeout_seconds)
     if settings.backend == "cuda_ipc":
+        if transfer_config.kv_buffer_device == "cpu":
+            raise ValueError("backend 'cuda_ipc' copies GPU to GPU: it does not go with kv_buffer_device "
+                             "'cpu' (host staging is for backends tcp, mooncake and nixl)")
         return transport.create_transport("cuda_ipc", engine_id, host, secret=secret,
                                           timeout_s=settings.transfer_timeout_seconds)
     if settings.backend == "mooncake":

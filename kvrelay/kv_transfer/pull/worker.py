@@ -85,6 +85,8 @@ class NixlWorker:
         if meta.leases:
             assert self.leases is not None, "leases reached a worker that is not a producer"
             for lease in meta.leases:
+                assert self.transport is not None
+                self.transport.stage_for_peers(lease.block_ids)  # host staging copies them out now
                 self.leases.add(lease)
         if meta.pulls or meta.aborted_pulls:
             assert self.puller is not None, "pulls reached a worker that is not a consumer"
@@ -134,6 +136,10 @@ class NixlWorker:
     def _on_pin(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.leases is not None and self.layout is not None
         request = decode(body, PinRequest)
+        assert self.transport is not None
+        if not self.transport.wait_staged(request.block_ids, self.nixl_config.transfer_timeout_seconds):
+            return "lease", LeaseStatus(request_id=request.request_id, state=LEASE_REFUSED,
+                                        error="the blocks were not staged to host memory in time")
         block_bytes = self.layout.block_bytes
         outside = [r for r in request.ranges if r[0] < 0 or r[1] <= 0 or r[0] + r[1] > block_bytes]
         if outside:

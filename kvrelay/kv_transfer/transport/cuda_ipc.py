@@ -45,8 +45,9 @@ from kvrelay.kv_transfer.transport.base import (
     describe_kv_caches,
 )
 from kvrelay.kv_transfer.transport.block_copy import CopyPlan, block_bytes_view, copy_layer, plan_copies
-from kvrelay.kv_transfer.transport.ipc import CopyEvent, CudaIpc, IpcSeam
+from kvrelay.kv_transfer.transport.ipc import CudaIpc, IpcSeam
 from kvrelay.kv_transfer.transport.notify import PUBLIC_KEY, NotificationInbox, NotificationSender
+from kvrelay.kv_transfer.transport.streams import CopyEvent
 
 if TYPE_CHECKING:
     import torch

@@ -16,21 +16,14 @@ transport's agent blob, in the authenticated handshake.
 from __future__ import annotations
 
 import contextlib
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.kv_transfer.transport.block_copy import contiguous_strides
+from kvrelay.kv_transfer.transport.streams import CopyEvent, SideStream
 
 if TYPE_CHECKING:
     import torch
-
-
-class CopyEvent(Protocol):
-    """Marks the end of the copies queued before it; `query` is True once they all ran."""
-
-    def query(self) -> bool: ...
 
 
 class IpcSeam(ABC):
@@ -79,7 +72,7 @@ class CudaIpc(IpcSeam):
 
         check_cuda_ipc_possible()
         self.device = torch.device(device if device.startswith("cuda") else "cuda")
-        self._stream = torch.cuda.Stream(self.device)
+        self._stream = SideStream(str(self.device))
 
     def check_device(self, device: str) -> None:
         require_gpu_kv(device)
@@ -99,30 +92,10 @@ class CudaIpc(IpcSeam):
         return empty.set_(storage, offset, shape, contiguous_strides(shape))
 
     def side_stream(self) -> contextlib.AbstractContextManager[None]:
-        import torch
-
-        # NOTE: the side stream waits for the compute stream's work queued so far (this side's
-        # blocks were just allocated, a step may still write their neighbours), nothing later.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)  # type: ignore[return-value]
+        return self._stream.copying()
 
     def record(self) -> CopyEvent:
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
-
-
-class _Done:
-    """An event on a device whose copies finish before they return; `delay_s` holds it back
-    that long (a test's slow copy)."""
-
-    def __init__(self, delay_s: float) -> None:
-        self._ready_at = time.monotonic() + delay_s
-
-    def query(self) -> bool:
-        return time.monotonic() >= self._ready_at
+        return self._stream.record()
 
 
 class HostIpc(IpcSeam):
@@ -132,7 +105,7 @@ class HostIpc(IpcSeam):
 
     def __init__(self, copy_delay_s: float = 0.0) -> None:
         super().__init__()
-        self.copy_delay_s = copy_delay_s  # each copy's event reports done this long after it
+        self._stream = SideStream("cpu", copy_delay_s)
         self.fail_open = False  # opening a peer's handle raises, as a foreign handle would
 
     def check_device(self, device: str) -> None:
@@ -154,16 +127,20 @@ class HostIpc(IpcSeam):
         self.opened += 1
         return torch.empty(0, dtype=dtype).set_(storage, offset, shape, contiguous_strides(shape))
 
+    @property
+    def copy_delay_s(self) -> float:
+        """How long each copy's event takes to report done (a test's slow copy)."""
+        return self._stream.delay_s
+
+    @copy_delay_s.setter
+    def copy_delay_s(self, value: float) -> None:
+        self._stream.delay_s = value
+
     def side_stream(self) -> contextlib.AbstractContextManager[None]:
-        return _no_stream()
+        return self._stream.copying()
 
     def record(self) -> CopyEvent:
-        return _Done(self.copy_delay_s)
-
-
-@contextlib.contextmanager
-def _no_stream() -> Iterator[None]:
-    yield
+        return self._stream.record()
 
 
 def check_cuda_ipc_possible() -> None:

@@ -9,6 +9,8 @@ The path is named from what the transport is and what it runs on, not guessed fr
     ucx-cuda     NIXL on VRAM with UCX's CUDA transports loadable
     ucx-host     NIXL on VRAM without them: UCX bounces every byte through host memory
     host         KV in host memory (any backend): the transport's own host path
+    host-staging GPU KV through a pinned host mirror (kv_buffer_device "cpu"): chosen, so no
+                 warning, but it runs at host-copy speed at best
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ class LoopbackResult(NamedTuple):
         return self.device == "cpu" or self.path.name in DEVICE_PATHS
 
 
-def data_path(backend: str, device: str) -> DataPath:
-    """The path `backend` takes for KV on `device` (see the module docstring)."""
+def data_path(backend: str, device: str, staged: bool = False) -> DataPath:
+    """The path `backend` takes for KV on `device` (see the module docstring); `staged`: through
+    a pinned host mirror (kv_buffer_device "cpu")."""
     if device == "cpu":
         return DataPath("host", None)
+    if staged:
+        return DataPath("host-staging", None)
     if backend == "cuda_ipc":
         return DataPath("cuda_ipc", None)
     if backend == "nixl":
@@ -80,7 +85,7 @@ def _synchronize(device: str) -> None:
 
 
 def measure_loopback(backend: str, device: str, make_transport: Callable[[str], KVTransport],
-                     num_bytes: int, timeout_s: float = 30.0) -> LoopbackResult:
+                     num_bytes: int, timeout_s: float = 30.0, staged: bool = False) -> LoopbackResult:
     """Read `num_bytes` (whole 1 MiB blocks, at least one) from one buffer on `device` into
     another through two transports `make_transport(engine_id)` made (for cuda_ipc: the block
     copy it issues), after a one-block warm-up. RuntimeError when the bytes arrive wrong or late."""
@@ -93,7 +98,7 @@ def measure_loopback(backend: str, device: str, make_transport: Callable[[str], 
 
     if not torch.equal(source, target):
         raise RuntimeError(f"the {backend} loopback transfer on {device} delivered other bytes than it read")
-    return LoopbackResult(backend, device, data_path(backend, device), source.numel(), seconds)
+    return LoopbackResult(backend, device, data_path(backend, device, staged), source.numel(), seconds)
 
 
 def _time_block_copy(source: torch.Tensor, target: torch.Tensor, device: str) -> float:
@@ -113,9 +118,13 @@ def _time_transport_read(source: torch.Tensor, target: torch.Tensor,
         layout = owner.register_kv_caches({"loopback": source})
         reader.register_kv_caches({"loopback": target})
         reader.add_remote("loopback-source", owner.agent_metadata(), layout)
+        block_ids = list(range(source.shape[0]))
+        owner.stage_for_peers(block_ids)  # host staging: its mirror must hold them first
+        if not owner.wait_staged(block_ids, timeout_s):
+            raise RuntimeError("the loopback blocks were not staged to host memory in time")
         _read(reader, [0], timeout_s)  # warm-up: connections, registrations
         started = time.perf_counter()
-        _read(reader, list(range(source.shape[0])), timeout_s)
+        _read(reader, block_ids, timeout_s)
         return time.perf_counter() - started
     finally:
         reader.close()
