@@ -99,7 +99,13 @@ class _IpcCopy(TransferHandle):
         peer.in_flight += 1
 
     def poll(self) -> TransferState:
-        if self._state == TransferState.PENDING and self._event.query():
+        if self._state != TransferState.PENDING:
+            return self._state
+        try:
+            settled = self._event.query()
+        except Exception as e:  # a CUDA error in the copies: they are over, and failed
+            settled, self._error = True, f"a CUDA IPC copy failed: {type(e).__name__}: {e}"
+        if settled:
             self._state = TransferState.DONE if self._error is None else TransferState.ERROR
             self._transport._settled(self, self._peer)
         return self._state

@@ -60,6 +60,17 @@ class NotificationInbox:
         self._server.close()
 
 
+def _settles(after: Settles) -> bool:
+    """Wait for `after`; False (nothing to announce) when the copy behind it failed."""
+    try:
+        while not after.query():
+            time.sleep(0.0002)
+    except Exception as e:  # a CUDA error surfaces here: the bytes never arrived
+        logger.warning("a copy failed before its notification went out: %s", e)
+        return False
+    return True
+
+
 class NotificationSender:
     """The reader's end: one thread that delivers notifications in order, one client per owner."""
 
@@ -81,8 +92,8 @@ class NotificationSender:
         try:
             while (item := self._queue.get()) is not None:
                 host, port, message, after = item
-                while after is not None and not after.query():
-                    time.sleep(0.0002)
+                if after is not None and not _settles(after):
+                    continue
                 if (host, port) not in clients:
                     clients[host, port] = SideChannelClient(ctx, host, port, self._key)
                 try:

@@ -215,3 +215,16 @@ def test_on_a_gpu_d_copies_blocks_out_of_another_process_vram() -> None:
     finally:
         d.close()
         proc.join(60)
+
+
+def test_a_copy_that_fails_on_the_device_errs_and_notifies_nobody(pair, monkeypatch) -> None:
+    p, d, d_ipc, _, _, _ = pair
+
+    class Faulted:
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(d_ipc, "record", lambda: Faulted())
+    handle = d.read_blocks("engine-p", [0], [0], b"faulted:1")
+    assert finish(handle) == TransferState.ERROR and "illegal memory access" in (handle.error or "")
+    assert collect_notifications(p, 0) == [] and d.open_peers == 1
