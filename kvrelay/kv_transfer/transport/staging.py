@@ -89,7 +89,8 @@ class StagedTransport(KVTransport):
         device = describe_kv_caches(kv_caches).device
         self._stream = SideStream(device, self._copy_delay_s)
         pin = device.startswith("cuda")
-        mirror = {name: torch.empty(kv.shape, dtype=kv.dtype, pin_memory=pin)  # [num_blocks, 2, H, bs, D]
+        # NOTE: zeros, so every page is touched here rather than by a request's first transfer.
+        mirror = {name: torch.zeros(kv.shape, dtype=kv.dtype, pin_memory=pin)  # [num_blocks, 2, H, bs, D]
                   for name, kv in kv_caches.items()}
         self._device_layers = [block_bytes_view(kv) for kv in kv_caches.values()]
         self._host_layers = [block_bytes_view(kv) for kv in mirror.values()]
