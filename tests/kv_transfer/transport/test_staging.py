@@ -1,6 +1,6 @@
 """Host staging (kv_buffer_device "cpu"): KV read by a host transport through a pinned host
 mirror. Here the "device" KV is host memory too, so the mirror's bookkeeping (what is staged when,
-what a pin waits for, which bytes go back) runs for real with the TCP transport inside."""
+what a pin waits for, which bytes go back) runs for real with each host transport inside."""
 
 from __future__ import annotations
 
@@ -20,17 +20,20 @@ from tests.kv_transfer.transport.helpers import (
     collect_notifications,
     finish,
     kv_caches,
+    require_backend,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def staged_pair():
+@pytest.fixture(params=["tcp", "mooncake", "nixl"])
+def staged_pair(request):
+    """P and D staged over each host transport (skipped where it does not load)."""
+    require_backend(request.param)
     threads_before = set(threading.enumerate())
-    p = StagedTransport(create_transport("tcp", "engine-p"))
-    d = StagedTransport(create_transport("tcp", "engine-d"))
+    p = StagedTransport(create_transport(request.param, "engine-p"))
+    d = StagedTransport(create_transport(request.param, "engine-d"))
     p_kv, d_kv = kv_caches(seed=1), kv_caches(seed=2)
     layout = p.register_kv_caches(p_kv)
     d.register_kv_caches(d_kv)
