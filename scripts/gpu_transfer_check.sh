@@ -28,5 +28,6 @@ part() {
 part ucx-diag 30 bash scripts/ucx_diag.sh
 mapfile -t FILES < <(grep -rl --include='test_*.py' "mark.gpu" tests/kv_transfer | sort)
 part gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 "${FILES[@]}"
-part bench 150 "$PY" benchmarks/bench_transfer.py --gpu --markdown "$LOGS/bench_transfer_gpu.md"
+part bench 150 "$PY" benchmarks/bench_transfer.py --gpu --tokens 1024 8192 --block-sizes 16 64 --reps 5 \
+  --markdown "$LOGS/bench_transfer_gpu.md"
 exit $STATUS
