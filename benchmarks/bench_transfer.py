@@ -28,6 +28,7 @@ With --ttft it also times the first token of 1024- and 4096-token prompts throug
     .venv/bin/python benchmarks/bench_transfer.py [--tokens 512 2048 8192] [--block-sizes 16 64] \
         [--ttft] [--plot docs/benchmarks/bench_transfer.png]
     .venv/bin/python benchmarks/bench_transfer.py --quick --ttft      # a couple of minutes
+    .venv/bin/python benchmarks/bench_transfer.py --gpu               # the GPU paths (transfer_gpu.py)
 """
 
 from __future__ import annotations
@@ -496,6 +497,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="only the interleaved mooncake / raw Transfer Engine table")
     parser.add_argument("--plot", type=Path, default=Path("docs/benchmarks/bench_transfer.png"),
                         help="where the throughput plot goes")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the GPU columns instead (cuda_ipc, NIXL on VRAM, host staging against the "
+                             "device's block copy; benchmarks/transfer_gpu.py)")
+    parser.add_argument("--gpu-device", default="cuda",
+                        help="--gpu: the device (cpu: a dry run of the same code on host memory)")
+    parser.add_argument("--markdown", type=Path, default=None, help="--gpu: also write the table here")
     args = parser.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():
@@ -506,6 +513,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NOTE: NIXL's INFO lines would cut the table
+    if args.gpu:
+        from transfer_gpu import run_gpu  # benchmarks/transfer_gpu.py
+
+        raise SystemExit(run_gpu(args.tokens, args.block_sizes, args.reps, args.gpu_device, args.markdown))
     print(cpu_summary())
     print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
           "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "

@@ -14,6 +14,9 @@
 # Here, once, before the device call (needs the package registries):
 #   bash scripts/gpu_check.sh --wheels      # .whl/: ../shared/tools/device_wheels.sh + the OpenAI client
 # The device call: command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 540.
+# The KV-out-of-VRAM check of issue 33 is its own device call (it would not fit in this one's
+# limit): command "bash scripts/gpu_check.sh --transfer", carry [".whl"], timeout_s 330; it runs
+# scripts/gpu_transfer_check.sh (UCX facts, the GPU transfer tests, bench_transfer.py --gpu).
 # The script itself, without a GPU:
 #   GPU_CHECK_DRY=1 PYTHON=.venv/bin/python bash scripts/gpu_check.sh
 #   (the same parts on the CPU: the GPU tests skip with their reason, the benchmark's host section
@@ -44,6 +47,17 @@ if [ "${1:-}" = "--wheels" ]; then
   git archive -o ".whl/baseline-$commit.tar.gz" "$commit" || exit 1
   du -ch .whl/* | tail -1
   exit 0
+fi
+
+if [ "${1:-}" = "--transfer" ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    mkdir -p /tmp/site
+    for w in .whl/*.whl; do "$PY" -m zipfile -e "$w" /tmp/site; done
+    export PYTHONPATH=/tmp/site:$PWD
+  else
+    export PYTHONPATH=$PWD
+  fi
+  PYTHON=$PY exec bash scripts/gpu_transfer_check.sh
 fi
 
 DRY=${GPU_CHECK_DRY:-0}

@@ -20,6 +20,8 @@ class SchedulerStats:
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
     kv_lease_expired: int = 0
+    # "backend:path" -> GB/s of the start-up loopback check (the slowest rank's)
+    kv_transfer_loopback_gbps: dict[str, float] = field(default_factory=dict)
 
     def absorb_connector_stats(self, stats: dict[str, Any]) -> None:
         """Fold one step's worker-side connector stats in (keys as in kvrelay.kv_transfer.base:
@@ -32,6 +34,11 @@ class SchedulerStats:
             stats.get("seconds_saving", 0.0))
         self.kv_transfer_failures += int(stats.get("load_failures", 0)) + int(stats.get("save_failures", 0))
         self.kv_lease_expired += int(stats.get("lease_expired", 0))
+        for key, value in stats.items():
+            if key.startswith("loopback_gbps:"):  # "loopback_gbps:{backend}:{path}:{tp_rank}"
+                label = key.split(":", 1)[1].rsplit(":", 1)[0]
+                known = self.kv_transfer_loopback_gbps.get(label, float("inf"))
+                self.kv_transfer_loopback_gbps[label] = min(known, float(value))
 
     def add_external(self, connector_name: str, num_tokens: int) -> None:
         self.prompt_tokens_external += num_tokens
@@ -40,4 +47,5 @@ class SchedulerStats:
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["prompt_tokens_external_by_connector"] = dict(self.prompt_tokens_external_by_connector)
+        d["kv_transfer_loopback_gbps"] = dict(self.kv_transfer_loopback_gbps)
         return d

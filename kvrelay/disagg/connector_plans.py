@@ -9,7 +9,10 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvrelay.kv_transfer.path_choice import PathChoice
 
 KV_SECRET_ENV = "KVRELAY_KV_SECRET"
 
@@ -21,6 +24,7 @@ class ConnectorPlan:
     extra_config: dict[str, Any]  # kv_connector_extra_config, identical for P and D
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every serve child
     transfer_mode: str = "pull"  # "push": the proxy starts both legs at once (push_mode.py)
+    transfer_fields: dict[str, Any] = field(default_factory=dict)  # top-level, e.g. kv_buffer_device
 
 
 def plan_example_connector(workdir: Path) -> ConnectorPlan:
@@ -52,6 +56,29 @@ CONNECTOR_PLANS: dict[str, Callable[[Path], ConnectorPlan]] = {
     "NixlPushConnector": plan_nixl_push_connector,
 }
 DEFAULT_CONNECTOR = "NixlConnector"
+P2P_CONNECTORS = ("NixlConnector", "NixlPushConnector")
+
+
+def transfer_path(connector: str, gpu_sets: list[tuple[str, ...]],
+                  requested_backend: str | None) -> PathChoice | None:
+    """For P2P connectors on GPUs: the fastest working path (kvrelay/kv_transfer/path_choice.py);
+    None elsewhere (the plan's own default, as on the CPU)."""
+    if connector not in P2P_CONNECTORS or not gpu_sets or not all(gpu_sets):
+        return None
+    from kvrelay.kv_transfer.path_choice import choose_transfer_path
+    from kvrelay.kv_transfer.transport import nixl_installed
+    from kvrelay.kv_transfer.transport.ucx_diag import ucx_facts
+
+    facts = ucx_facts()
+    return choose_transfer_path(gpu_sets, requested_backend, nixl_installed(),
+                                (facts.cuda_transports, facts.cause()), push=connector == "NixlPushConnector")
+
+
+def with_transfer_path(plan: ConnectorPlan, path: PathChoice) -> ConnectorPlan:
+    """`plan` moving KV the way `path` says (its backend, and host staging where chosen)."""
+    fields = {"kv_buffer_device": "cpu"} if path.kv_buffer_device == "cpu" else {}
+    return dataclasses.replace(plan, extra_config={**plan.extra_config, "backend": path.backend},
+                               transfer_fields={**plan.transfer_fields, **fields})
 
 
 def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
@@ -62,10 +89,11 @@ def kv_transfer_config(connector: str, role: str, engine_id: str, kv_port: int,
     so requests that carry kv_transfer_params load from P; the offload tiers serve and store
     every other prefix."""
     config = {"kv_connector": connector, "kv_role": role, "engine_id": engine_id, "kv_ip": host,
-              "kv_port": kv_port, "kv_connector_extra_config": plan.extra_config}
+              "kv_port": kv_port, "kv_connector_extra_config": plan.extra_config, **plan.transfer_fields}
     if offload is None:
         return config
-    children = [{"kv_connector": connector, "kv_connector_extra_config": plan.extra_config},
+    children = [{"kv_connector": connector, "kv_connector_extra_config": plan.extra_config,
+                 **plan.transfer_fields},
                 {"kv_connector": "OffloadConnector", "kv_role": "kv_both",
                  "kv_connector_extra_config": offload}]
     return {**config, "kv_connector": "MultiConnector",

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -42,9 +42,14 @@ from kvrelay.disagg.connector_plans import (
     DEFAULT_CONNECTOR,
     ConnectorPlan,
     kv_transfer_config,
+    transfer_path,
+    with_transfer_path,
 )
 from kvrelay.disagg.placement import Placement, plan_devices, startup_waves, visible_gpus
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY
+
+if TYPE_CHECKING:
+    from kvrelay.kv_transfer.path_choice import PathChoice
 
 KV_ADMIN_ENV = "KVRELAY_ADMIN_KEY"
 
@@ -53,9 +58,12 @@ class ClusterError(RuntimeError):
     """A child failed to start, did not become healthy, or died."""
 
 
-def connector_plan(spec: ClusterSpec, workdir: Path) -> ConnectorPlan:
-    """The cluster's connector plan, with `spec.kv_backend` as the transport where one is chosen."""
+def connector_plan(spec: ClusterSpec, workdir: Path, path: PathChoice | None = None) -> ConnectorPlan:
+    """The cluster's connector plan: on GPUs the transfer `path` chosen for its placements, else
+    `spec.kv_backend` as the transport where one is chosen."""
     plan = CONNECTOR_PLANS[spec.connector](workdir)
+    if path is not None:
+        return with_transfer_path(plan, path)
     if spec.kv_backend is None:
         return plan
     return dataclasses.replace(plan, extra_config={**plan.extra_config, "backend": spec.kv_backend})
@@ -306,6 +314,8 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.placements = place_instances(spec)  # ValueError here, before anything starts
+        # NOTE: on GPUs, how KV moves between instances follows from where they run.
+        self.transfer_path = transfer_path(spec.connector, [p.gpus for p in self.placements], spec.kv_backend)
         self.children: list[ChildProcess] = []
         self.workdir: Path | None = None
         self.port = spec.port
@@ -355,10 +365,7 @@ class LocalCluster:
         self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
         self._log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
         (self.workdir / "events").mkdir()
-        # NOTE: on GPUs, the KV transfer path between instances (CUDA IPC on one host, NIXL on
-        # device memory, pinned host staging) is the connector plan's to choose, from
-        # `self.placements`: issue 33. Today every plan moves KV as it does on the CPU.
-        self._plan = plan = connector_plan(spec, self.workdir)
+        self._plan = plan = connector_plan(spec, self.workdir, self.transfer_path)
         instances = {p.name: self._instance(p, plan, self._log_dir) for p in self.placements}
         self._counts = {"prefill": spec.num_prefill, "decode": spec.num_decode}
         self.children.extend(instances.values())

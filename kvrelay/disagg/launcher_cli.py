@@ -23,9 +23,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--connector", default=None,
                    help="KV connector linking P and D (default: NixlConnector, a pull; NixlPushConnector: P "
                         "pushes each layer into D's blocks while it computes)")
-    p.add_argument("--kv-backend", default=None, choices=("nixl", "tcp", "mooncake"),
-                   help="transport of the Nixl connectors (default: nixl where installed, else tcp; "
-                        "mooncake: Mooncake's Transfer Engine, pip install 'kvrelay[mooncake]')")
+    p.add_argument("--kv-backend", default=None, choices=("nixl", "tcp", "mooncake", "cuda_ipc"),
+                   help="transport of the Nixl connectors (default: on the CPU nixl where installed, else "
+                        "tcp; on GPUs the fastest working path, printed at start: cuda_ipc, nixl on VRAM, "
+                        "host staging; mooncake: Mooncake's Transfer Engine, kvrelay[mooncake])")
     p.add_argument("--prefill-instances", type=int, default=1)
     p.add_argument("--decode-instances", type=int, default=1)
     p.add_argument("--prefill-tp", type=int, default=1,
@@ -111,6 +112,8 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"{spec.threads} thread(s) each, connector {spec.connector} ...", flush=True)
     for placement in cluster.placements:
         print(f"  {placement.name:<10} on {placement.describe()}", flush=True)
+    if cluster.transfer_path is not None:
+        print(f"  KV transfer: {cluster.transfer_path.describe()}", flush=True)
     admin = None
     try:
         cluster.start()

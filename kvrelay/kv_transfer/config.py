@@ -24,7 +24,9 @@ _FIELD_TYPES: dict[str, tuple[type, bool]] = {
     "engine_id": (str, False),
     "kv_ip": (str, False),
     "kv_port": (int, False),
+    "kv_buffer_device": (str, False),
 }
+KV_BUFFER_DEVICES = ("cuda", "cpu")
 
 
 def _new_engine_id() -> str:
@@ -47,6 +49,10 @@ class KVTransferConfig:
     engine_id: str = field(default_factory=_new_engine_id)
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
+    # Where a P2P transport reads and writes KV: "cuda" where the KV lives (on a GPU: NIXL on
+    # VRAM or cuda_ipc), "cpu" through a pinned host mirror (host staging: TCP, Mooncake, NIXL
+    # on DRAM for GPU KV). Makes no difference on a CPU instance.
+    kv_buffer_device: str = "cuda"
 
     def __post_init__(self) -> None:
         for name, (expected, nullable) in _FIELD_TYPES.items():
@@ -60,6 +66,9 @@ class KVTransferConfig:
             )
         if not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_port must be in 1..65535, got {self.kv_port!r}")
+        if self.kv_buffer_device not in KV_BUFFER_DEVICES:
+            raise ValueError(f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
+                             f"got {self.kv_buffer_device!r}")
         if not self.engine_id:
             raise ValueError("engine_id must be a non-empty string (omit it to get a random one)")
         if self.kv_connector_module_path is not None and self.kv_connector is None:

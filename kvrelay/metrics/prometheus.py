@@ -61,6 +61,16 @@ class EngineStatsCollector(Collector):
                 labels=["kv_cache_dtype"])
             per_token.add_metric([str(stats.get("kv_cache_dtype", ""))], float(stats["kv_bytes_per_token"]))
             yield per_token
+        loopback = stats.get("kv_transfer_loopback_gbps") or {}
+        if loopback:
+            gauge = GaugeMetricFamily(
+                "kvrelay_kv_transfer_loopback_gbps",
+                "GB/s of the start-up loopback transfer on the KV device, by backend and the path it took.",
+                labels=["backend", "path"])
+            for label, gbps in sorted(loopback.items()):
+                backend, _, path = label.partition(":")
+                gauge.add_metric([backend, path], float(gbps))
+            yield gauge
 
 
 class ServerMetrics:

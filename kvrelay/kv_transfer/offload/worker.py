@@ -13,6 +13,11 @@ means a block is never read after the scheduler may reuse it, also when a reques
 (`max_pending_stores`): when all are in flight a chunk is dropped, never queued without bound.
 The writer thread runs on idle CPU time only (SCHED_IDLE), unless its backlog grows past half the
 pool: then it competes at the lowest priority until it has caught up.
+
+GPU KV: the staging buffers are pinned, and a store's gather runs on a side stream; the compute
+stream waits (on the device, not the host) only for that gather before it may write the blocks
+again, while the device -> host copy runs on behind it; the writer thread waits for the copy's
+event before it seals the chunk. Loads copy host -> device on the side stream too.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kvrelay.kv_transfer.offload.meta import (
 )
 from kvrelay.kv_transfer.offload.stats import OffloadStats
 from kvrelay.kv_transfer.offload.store import Expected, TieredStore
+from kvrelay.kv_transfer.transport.streams import CopyEvent, SideStream
 from kvrelay.utils import cdiv
 
 if TYPE_CHECKING:
@@ -115,6 +121,18 @@ class OffloadWorker:
         raise ValueError(f"unknown offload lookup message {message[0]!r}")
 
 
+@dataclass
+class _Store:
+    """A chunk copied out of the KV cache, on its way to the writer."""
+
+    save: ChunkSave
+    blob: memoryview
+    staging: bytearray | memoryview
+    queued_at: float
+    copied: CopyEvent | None = None  # GPU KV: the device -> host copy still to finish
+    gathered: list[torch.Tensor] = field(default_factory=list)  # its source, alive until then
+
+
 class _Background:
     """The loader and writer threads and the state they share with the step."""
 
@@ -126,6 +144,9 @@ class _Background:
         fmt = kv_format(kv_spec.dtype)
         self.dtype = torch.uint8 if fmt.is_fp8 else fmt.torch_dtype
         self.caches = [c.view(self.dtype) for c in caches]  # per layer [num_blocks, 2, H_kv, block_size, D]
+        self.device = caches[0].device
+        self.on_gpu = self.device.type == "cuda"
+        self.stream = SideStream(str(self.device))
         self.block_size = kv_spec.block_size
         self.blocks_per_chunk = config.chunk_tokens // kv_spec.block_size
         self.fingerprint = kv_spec.fingerprint_digest()
@@ -135,14 +156,14 @@ class _Background:
         self.header_bytes = header_size("0" * 40, self.fingerprint)
         self.payload_bytes = store.payload_bytes
         self.block_payload_bytes = self.payload_bytes // self.blocks_per_chunk  # one block, every layer
-        self._free_staging: list[bytearray] = []
+        self._free_staging: list[bytearray | memoryview] = []
         self._num_staging = 0
         self._lock = threading.Condition()
         self._pending_stores = 0  # copied out, not yet written
         self._unreported_stores = 0  # written, their stats not yet handed out by get_finished
         self._settled = _Settled()
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
-        self._stores: queue.Queue[tuple[ChunkSave, memoryview, bytearray, float] | None] = queue.Queue()
+        self._stores: queue.Queue[_Store | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._load_loop, name="kvrelay-offload-load", daemon=True),
                          threading.Thread(target=self._store_loop, name="kvrelay-offload-store", daemon=True)]
         for thread in self._threads:
@@ -205,8 +226,15 @@ class _Background:
             entry = torch.frombuffer(payload, dtype=self.dtype).view(shape)  # [L, blocks, 2, H_kv, bs, D]
         rows = entry[:, load.first_block:load.first_block + len(load.block_ids)]  # [L, n, 2, H_kv, bs, D]
         index = torch.tensor(load.block_ids, dtype=torch.long)
+        if self.on_gpu:  # host -> device on the side stream; this thread waits, the compute stream does not
+            with self.stream.copying():
+                index = index.to(self.device)
+                for layer, cache in enumerate(self.caches):
+                    cache.index_copy_(0, index, rows[layer].to(self.device))
+                self.stream.wait(self.stream.record(), timeout_s=60)
+            return
         for layer, cache in enumerate(self.caches):
-            cache.index_copy_(0, index.to(cache.device), rows[layer].to(cache.device))
+            cache.index_copy_(0, index, rows[layer])
 
     def _count_load(self, job: LoadJob, num_blocks: int, num_failed: int, seconds: float) -> None:
         layer_block_bytes = self.caches[0][0].numel() * self.caches[0].element_size()
@@ -232,26 +260,50 @@ class _Background:
             blob = memoryview(staging)[:self.header_bytes + len(save.block_ids) * self.block_payload_bytes]
             entry = self._payload_view(blob, len(save.block_ids))  # [L, n, 2, H_kv, block_size, D]
             index = torch.tensor(save.block_ids, dtype=torch.long)
-            for layer, cache in enumerate(self.caches):
-                torch.index_select(cache, 0, index.to(cache.device), out=entry[layer])
+            store = _Store(save, blob, staging, time.perf_counter())
+            if self.on_gpu:
+                store.copied, store.gathered = self._gather_on_device(entry, index)
+            else:
+                for layer, cache in enumerate(self.caches):
+                    torch.index_select(cache, 0, index, out=entry[layer])
             with self._lock:
                 self._pending_stores += 1
-            self._stores.put((save, blob, staging, time.perf_counter()))
+            self._stores.put(store)
         self.stats.add_many({"offload_copy_out_seconds": time.perf_counter() - start,
                              "offload_stores_dropped": dropped})
         if dropped:
             self.store.log_rate_limited("dropped", "offload: %d chunk store(s) dropped: %d already in flight "
                             "(raise max_pending_stores?)", dropped, self.max_staging)
 
-    def _acquire_staging(self) -> bytearray | None:
-        """A blob buffer (header space + payload) from the pool; None when all are in flight."""
+    def _gather_on_device(self, entry: torch.Tensor, index: torch.Tensor
+                          ) -> tuple[CopyEvent, list[torch.Tensor]]:
+        """Gather the blocks on the side stream, then copy them into the pinned `entry`; the
+        compute stream waits for the gather alone. Returns the copy's event and the gathered
+        tensors (alive until it fired)."""
+        with self.stream.copying():
+            index = index.to(self.device, non_blocking=True)
+            gathered = [torch.index_select(cache, 0, index) for cache in self.caches]  # each [n, 2, H, bs, D]
+            gathered_event = self.stream.record()
+            for layer, rows in enumerate(gathered):
+                entry[layer].copy_(rows, non_blocking=True)
+            copied = self.stream.record()
+        # NOTE: a device-side wait: the next step may reuse these blocks only after the gather.
+        torch.cuda.current_stream(self.device).wait_event(gathered_event)  # type: ignore[arg-type]
+        return copied, gathered
+
+    def _acquire_staging(self) -> bytearray | memoryview | None:
+        """A blob buffer (header space + payload) from the pool, pinned for GPU KV; None when all
+        are in flight."""
         with self._lock:
             if self._free_staging:
                 return self._free_staging.pop()
             if self._num_staging >= self.max_staging:
                 return None
             self._num_staging += 1
-        return bytearray(self.header_bytes + self.payload_bytes)
+        size = self.header_bytes + self.payload_bytes
+        if self.on_gpu:  # NOTE: the numpy view keeps the pinned tensor alive
+            return memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())  # type: ignore[arg-type]
+        return bytearray(size)
 
     def _payload_view(self, blob: memoryview, num_blocks: int) -> torch.Tensor:
         payload = torch.frombuffer(blob, dtype=torch.uint8, offset=self.header_bytes)
@@ -269,8 +321,11 @@ class _Background:
             if want_idle != idle:
                 idle = want_idle
                 _set_this_thread_priority(idle)
-            save, blob, staging, queued_at = item
+            save, blob, staging, queued_at = item.save, item.blob, item.staging, item.queued_at
             start = time.perf_counter()
+            if item.copied is not None and not self.stream.wait(item.copied, timeout_s=60):
+                logger.error("offload: a device -> host copy did not finish in 60 s; storing it anyway")
+            item.gathered = []
             try:
                 seal_chunk(blob, save.key, self.fingerprint, save.tail_tokens)
                 stored = self.store.put(save.key, blob, reused=True)

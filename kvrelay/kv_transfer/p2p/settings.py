@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from kvrelay.kv_transfer.config import KVTransferConfig
     from kvrelay.kv_transfer.transport.base import KVTransport
 
-BACKENDS = ("nixl", "tcp", "mooncake")
+BACKENDS = ("nixl", "tcp", "mooncake", "cuda_ipc")
+DEFAULT_LOOPBACK_CHECK_BYTES = 16 << 20
 
 
 def default_backend() -> str:
@@ -37,6 +38,8 @@ class NixlConfig:
     secret_file: str | None = None
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
+    loopback_check_bytes: int = DEFAULT_LOOPBACK_CHECK_BYTES  # 0: no start-up measurement
+    require_device_path: bool = False  # GPU KV on a path that is not a CUDA one refuses to start
 
     def mooncake_options(self) -> dict[str, Any]:
         """The transport options of backend "mooncake" (none for the other backends)."""
@@ -53,6 +56,11 @@ class NixlConfig:
                              f"known keys: {', '.join(sorted(known))}")
         values = dict(extra)
         values.setdefault("backend", default_backend())
+        if values.get("loopback_check_bytes") not in (None, 0):
+            from kvrelay.config import parse_size
+
+            size = values["loopback_check_bytes"]
+            values["loopback_check_bytes"] = parse_size(size, "loopback_check_bytes")
         config = cls(**values)
         config.validate()
         return config
@@ -70,6 +78,12 @@ class NixlConfig:
             raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma', got {self.mooncake_protocol!r}")
         if not isinstance(self.mooncake_device, str):
             raise ValueError(f"mooncake_device must be a device name string, got {self.mooncake_device!r}")
+        if isinstance(self.loopback_check_bytes, bool) or not isinstance(self.loopback_check_bytes, int) \
+                or self.loopback_check_bytes < 0:
+            raise ValueError(f"loopback_check_bytes must be a byte count like '64MiB' (0: no check), "
+                             f"got {self.loopback_check_bytes!r}")
+        if not isinstance(self.require_device_path, bool):
+            raise ValueError(f"require_device_path must be true or false, got {self.require_device_path!r}")
         if self.secret_file is not None and not isinstance(self.secret_file, str):
             raise ValueError(f"secret_file must be a path string, got {self.secret_file!r}")
 
@@ -94,11 +108,34 @@ def make_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
 
     NOTE: the connectors call this through the module (`settings.make_transport`), so a test can
     replace it with an in-process transport."""
+    return build_transport(settings, transfer_config, secret)
+
+
+def build_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
+                    secret: bytes | None) -> KVTransport:
+    """make_transport's work, never replaced by tests: the start-up path check builds its
+    loopback pair with it, so it measures the backend the user configured."""
+    inner = _backend_transport(settings, transfer_config, secret)
+    if transfer_config.kv_buffer_device != "cpu":
+        return inner
+    from kvrelay.kv_transfer.transport.staging import StagedTransport
+
+    return StagedTransport(inner)
+
+
+def _backend_transport(settings: NixlConfig, transfer_config: KVTransferConfig,
+                       secret: bytes | None) -> KVTransport:
     from kvrelay.kv_transfer import transport
 
     engine_id, host = transfer_config.engine_id, transfer_config.kv_ip
     if settings.backend == "tcp":
         return transport.create_transport("tcp", engine_id, host, secret=secret,
+                                          timeout_s=settings.transfer_timeout_seconds)
+    if settings.backend == "cuda_ipc":
+        if transfer_config.kv_buffer_device == "cpu":
+            raise ValueError("backend 'cuda_ipc' copies GPU to GPU: it does not go with kv_buffer_device "
+                             "'cpu' (host staging is for backends tcp, mooncake and nixl)")
+        return transport.create_transport("cuda_ipc", engine_id, host, secret=secret,
                                           timeout_s=settings.transfer_timeout_seconds)
     if settings.backend == "mooncake":
         return transport.create_transport("mooncake", engine_id, host, secret=secret,

@@ -13,7 +13,8 @@ blocks from P through the transport while it goes on decoding other requests. "k
 Extra config keys (`kv_connector_extra_config`):
 
   backend                   "nixl" where NIXL is importable, else "tcp"; or "mooncake" (the
-                            Mooncake Transfer Engine, kvrelay[mooncake]). P and D must agree.
+                            Mooncake Transfer Engine, kvrelay[mooncake]), or "cuda_ipc" (GPU KV
+                            copied device to device on one host). P and D must agree.
   mooncake_protocol         "tcp" (default) or "rdma": the Transfer Engine's protocol.
   mooncake_device           "" (default). The RDMA device(s) for protocol "rdma", e.g. "mlx5_0".
   lease_seconds             30. P holds an unread request's blocks this long; every pin and
@@ -24,6 +25,12 @@ Extra config keys (`kv_connector_extra_config`):
                             third of P's lease_seconds, which the handshake tells D).
   verify_checksum           true. P checksums the blocks D is about to read; D verifies them.
   secret_file               none. A file holding the cluster secret; wins over KVRELAY_KV_SECRET.
+  loopback_check_bytes      16MiB. The start-up loopback transfer that names and measures the
+                            path (p2p/path_check.py); 0: no measurement.
+  require_device_path       false. True: GPU KV on a path that is not a CUDA one refuses to start.
+
+With `kv_buffer_device: "cpu"` in the transfer config, GPU KV goes through pinned host mirrors
+(transport/staging.py): P stages a request's blocks when its lease starts, a pin waits for them.
 
 `kv_ip:kv_port` is the side channel (P binds it; every instance needs its own port). The failure
 policy is the transfer config's `kv_load_failure_policy` ("recompute" or "fail").

@@ -11,7 +11,7 @@ import logging
 import secrets
 from typing import TYPE_CHECKING
 
-from kvrelay.kv_transfer.p2p import security, settings
+from kvrelay.kv_transfer.p2p import path_check, security, settings
 from kvrelay.kv_transfer.p2p.handshake import LocalIdentity, handshake_reply
 from kvrelay.kv_transfer.pull.leases import LeaseTable
 from kvrelay.kv_transfer.pull.meta import (
@@ -53,9 +53,13 @@ class NixlWorker:
         self.leases: LeaseTable | None = None
         self.server: SideChannelServer | None = None
         self.puller: Puller | None = None
+        self._startup_stats: dict[str, float] = {}  # the path check's figure, reported once
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.kv_layers = [kv_caches[name] for name in self.kv_spec.layer_names]
+        device = str(next(iter(kv_caches.values())).device)
+        self._startup_stats = path_check.startup_stats(self.nixl_config, self.transfer_config,
+                                                       self.keys.transport, device, self.kv_spec.tp_rank)
         self.transport = settings.make_transport(self.nixl_config, self.transfer_config, self.keys.transport)
         self.layout = self.transport.register_kv_caches(kv_caches)
         self.transport.expect_remote_access(False)  # until a lease or a pull says otherwise
@@ -81,6 +85,8 @@ class NixlWorker:
         if meta.leases:
             assert self.leases is not None, "leases reached a worker that is not a producer"
             for lease in meta.leases:
+                assert self.transport is not None
+                self.transport.stage_for_peers(lease.block_ids)  # host staging copies them out now
                 self.leases.add(lease)
         if meta.pulls or meta.aborted_pulls:
             assert self.puller is not None, "pulls reached a worker that is not a consumer"
@@ -92,6 +98,8 @@ class NixlWorker:
 
     def get_finished(self) -> KVConnectorOutput:
         output = KVConnectorOutput()
+        output.stats.update(self._startup_stats)  # once: the start-up loopback figure
+        self._startup_stats = {}
         if self.leases is not None and self.transport is not None:
             for notification in self.transport.get_notifications():
                 self.leases.on_notification(notification)
@@ -128,6 +136,10 @@ class NixlWorker:
     def _on_pin(self, body: bytes) -> tuple[str, msgspec.Struct]:
         assert self.leases is not None and self.layout is not None
         request = decode(body, PinRequest)
+        assert self.transport is not None
+        if not self.transport.wait_staged(request.block_ids, self.nixl_config.transfer_timeout_seconds):
+            return "lease", LeaseStatus(request_id=request.request_id, state=LEASE_REFUSED,
+                                        error="the blocks were not staged to host memory in time")
         block_bytes = self.layout.block_bytes
         outside = [r for r in request.ranges if r[0] < 0 or r[1] <= 0 or r[0] + r[1] > block_bytes]
         if outside:

@@ -89,6 +89,9 @@ class NixlPushConnector(KVConnectorBase):
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         super().__init__(config, role, kv_spec)
         self.nixl_config = cast(PushConfig, PushConfig.from_extra_config(self.extra_config))
+        if self.transfer_config.kv_buffer_device == "cpu":
+            raise ValueError("NixlPushConnector does not stage through host memory yet (kv_buffer_device "
+                             "'cpu'): use NixlConnector (pull) for host staging")
         self.keys = security.load_keys(self.nixl_config.secret_file)
         security.check_kv_ip(self.transfer_config.kv_ip, self.keys, warn=role == KVConnectorRole.WORKER)
         self._scheduler: NixlPushScheduler | None = None

@@ -11,7 +11,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from kvrelay.kv_transfer.compat import kv_incompatibility
-from kvrelay.kv_transfer.p2p import security, settings
+from kvrelay.kv_transfer.p2p import path_check, security, settings
 from kvrelay.kv_transfer.p2p.handshake import LocalIdentity, handshake_reply, model_kv_heads
 from kvrelay.kv_transfer.push.meta import (
     NixlPushMetadata,
@@ -51,11 +51,15 @@ class PushWorker:
         self.receiver: PushReceiver | None = None
         self.server: SideChannelServer | None = None
         self._layer_index: dict[str, int] = {}
+        self._startup_stats: dict[str, float] = {}  # the path check's figure, reported once
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(self.kv_spec.layer_names)
         kv_layers = [kv_caches[name] for name in names]
         self._layer_index = {name: i for i, name in enumerate(names)}
+        device = str(next(iter(kv_caches.values())).device)
+        self._startup_stats = path_check.startup_stats(self.nixl_config, self.transfer_config,
+                                                       self.keys.transport, device, self.kv_spec.tp_rank)
         self.transport = settings.make_transport(self.nixl_config, self.transfer_config, self.keys.transport)
         self.layout = self.transport.register_kv_caches({name: kv_caches[name] for name in names})
         self.transport.expect_remote_access(False)  # until a push to send or to receive says otherwise
@@ -100,6 +104,8 @@ class PushWorker:
 
     def get_finished(self) -> KVConnectorOutput:
         output = KVConnectorOutput()
+        output.stats.update(self._startup_stats)  # once: the start-up loopback figure
+        self._startup_stats = {}
         if self.sender is not None:
             output.finished_sending, stats = self.sender.poll()
             output.stats.update(stats)

@@ -1,7 +1,8 @@
 """Transports: how KV bytes move between instances, behind one interface (base.py,
-`KVTransport`): nixl.py (NIXL over UCX), tcp/ (kvrelay's own sockets) and mooncake.py (the
-Mooncake Transfer Engine). The P2P connectors pick one by name with `create_transport`; a
-transport never imports a connector.
+`KVTransport`): nixl.py (NIXL over UCX), tcp/ (kvrelay's own sockets), mooncake.py (the
+Mooncake Transfer Engine) and cuda_ipc.py (GPU to GPU on one host, through CUDA IPC handles).
+The P2P connectors pick one by name with `create_transport`; a transport never imports a
+connector.
 
 Importing this package imports neither NIXL, Mooncake nor torch; `create_transport("nixl", ...)`
 imports NIXL only then.
@@ -21,7 +22,7 @@ from kvrelay.kv_transfer.transport.base import (
     TransportError,
 )
 
-TRANSPORTS = ("nixl", "tcp", "mooncake")
+TRANSPORTS = ("nixl", "tcp", "mooncake", "cuda_ipc")
 
 
 def nixl_available() -> bool:
@@ -70,6 +71,13 @@ def create_transport(name: str, engine_id: str, host: str = "127.0.0.1", *, port
             raise ValueError(f"transport 'mooncake' needs the Mooncake wheel ({e}): pip install "
                              "'kvrelay[mooncake]' and run scripts/install_mooncake_deps.sh") from e
         return MooncakeTransport(engine_id, host, secret=secret, **options)
+    if name == "cuda_ipc":
+        from kvrelay.kv_transfer.transport.cuda_ipc import CudaIpcTransport
+        from kvrelay.kv_transfer.transport.ipc import check_cuda_ipc_possible
+
+        if options.get("ipc") is None:
+            check_cuda_ipc_possible()
+        return CudaIpcTransport(engine_id, host, secret=secret, **options)
     raise ValueError(f"unknown transport {name!r}; choose one of {TRANSPORTS}")
 
 

@@ -276,6 +276,16 @@ class KVTransport(ABC):
         own transfers is in flight. Until the first call it assumes access is expected."""
         return None
 
+    def stage_for_peers(self, block_ids: Sequence[int]) -> None:
+        """The owner's blocks `block_ids` are final (a finished request's, held for readers):
+        a transport that serves a copy of them (host staging) starts copying them now."""
+        return None
+
+    def wait_staged(self, block_ids: Sequence[int], timeout_s: float) -> bool:
+        """Wait until the copies stage_for_peers started for `block_ids` are in place; False
+        when one never started or did not finish in time (the reader must not read them)."""
+        return True
+
     @abstractmethod
     def get_notifications(self) -> list[bytes]:
         """Notifications received since the last call (on the owner's side)."""

@@ -29,6 +29,9 @@ def free_port() -> int:
 
 def nixl_config(role: str, port: int | None = None, policy: str = "recompute",
                 **extra: Any) -> dict[str, Any]:
+    # NOTE: the start-up loopback check is tested on its own (test_path_check.py); here it would
+    # only add a transport pair to every engine start.
+    extra.setdefault("loopback_check_bytes", 0)
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_ip": "127.0.0.1",
             "kv_port": port or free_port(), "kv_load_failure_policy": policy,
             "kv_connector_extra_config": extra}

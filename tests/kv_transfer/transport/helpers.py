@@ -62,10 +62,19 @@ def collect_notifications(owner: KVTransport, count: int, timeout_s: float = 10.
     return received
 
 
+def new_transport(backend: str, engine_id: str, **options) -> KVTransport:
+    """create_transport, with cuda_ipc on host memory (the HostIpc seam) so it runs without a GPU."""
+    if backend == "cuda_ipc":
+        from kvrelay.kv_transfer.transport.ipc import HostIpc
+
+        options.setdefault("ipc", HostIpc())
+    return create_transport(backend, engine_id, **options)
+
+
 def make_pair(backend: str, **options) -> tuple[KVTransport, KVTransport, dict, dict]:
     """P and D transports with distinct random KV, D connected to P by hand (as the handshake would)."""
-    p = create_transport(backend, "engine-p", **options)
-    d = create_transport(backend, "engine-d", **options)
+    p = new_transport(backend, "engine-p", **options)
+    d = new_transport(backend, "engine-d", **options)
     p_kv, d_kv = kv_caches(seed=1), kv_caches(seed=2)
     layout = p.register_kv_caches(p_kv)
     d.register_kv_caches(d_kv)

@@ -20,11 +20,13 @@ from tests.kv_transfer.transport.helpers import (
     collect_notifications,
     finish,
     kv_caches,
+    new_transport,
     require_backend,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
+PUSH_BACKENDS = ["tcp", "nixl", "mooncake", "cuda_ipc"]  # cuda_ipc on the HostIpc seam
 
 
 class RecordingGuard:
@@ -62,8 +64,8 @@ def make_push_pair(backend: str, d_kv: dict[str, torch.Tensor] | None = None,
     """P knows D (as a push registration would tell it); D guards its blocks 0..5."""
     require_backend(backend)
     threads_before = set(threading.enumerate())
-    p = create_transport(backend, "engine-p")
-    d = create_transport(backend, "engine-d")
+    p = new_transport(backend, "engine-p")
+    d = new_transport(backend, "engine-d")
     p_kv = kv_caches(seed=1) if p_kv is None else p_kv
     d_kv = kv_caches(seed=2) if d_kv is None else d_kv
     p.register_kv_caches(p_kv)
@@ -78,7 +80,7 @@ def make_push_pair(backend: str, d_kv: dict[str, torch.Tensor] | None = None,
     assert not leftover, f"threads left after close(): {leftover}"
 
 
-@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+@pytest.fixture(params=PUSH_BACKENDS)
 def push_pair(request):
     yield from make_push_pair(request.param)
 
@@ -90,7 +92,7 @@ def tcp_push_pair():
     yield from make_push_pair("tcp")
 
 
-@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+@pytest.fixture(params=PUSH_BACKENDS)
 def head_push_pair(request):
     """D's blocks hold one KV head (a TP shard of twice P's size): P writes one of its two."""
     generator = torch.Generator().manual_seed(3)
@@ -108,7 +110,7 @@ def big_kvs() -> list[dict[str, torch.Tensor]]:
             for seed in (4, 5)]
 
 
-@pytest.fixture(params=["tcp", "nixl", "mooncake"])
+@pytest.fixture(params=PUSH_BACKENDS)
 def big_push_pair(request):
     p_kv, d_kv = big_kvs()
     yield from make_push_pair(request.param, d_kv=d_kv, p_kv=p_kv)

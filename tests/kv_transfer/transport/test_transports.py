@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kvrelay.kv_transfer.transport import TransferState, create_transport
+from kvrelay.kv_transfer.transport import TransferState
 from kvrelay.kv_transfer.transport.base import ByteRange
 from tests.kv_transfer.transport.helpers import (
     BLOCK_SIZE,
@@ -20,12 +20,13 @@ from tests.kv_transfer.transport.helpers import (
     finish,
     kv_caches,
     make_pair,
+    new_transport,
     require_backend,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(120)
-BACKENDS = ["tcp", "nixl", "mooncake"]
+BACKENDS = ["tcp", "nixl", "mooncake", "cuda_ipc"]  # cuda_ipc on the HostIpc seam
 
 
 @pytest.fixture(params=BACKENDS)
@@ -97,8 +98,8 @@ def test_malformed_reads_are_refused_with_the_offending_ids(pair):
 def test_a_read_by_byte_ranges_moves_one_kv_head_into_a_block_of_another_size(backend):
     """P holds 2 KV heads a block, D 1 (a TP shard of twice the size): D reads P's head 1, K and V,
     into its whole blocks; the P side is told once."""
-    p = create_transport(backend, "engine-p")
-    d = create_transport(backend, "engine-d")
+    p = new_transport(backend, "engine-p")
+    d = new_transport(backend, "engine-d")
     try:
         p_kv = kv_caches(seed=1)
         generator = torch.Generator().manual_seed(3)
@@ -129,8 +130,8 @@ def test_a_read_by_byte_ranges_moves_one_kv_head_into_a_block_of_another_size(ba
 
 
 def test_a_remote_with_another_layout_is_refused(backend):
-    p = create_transport(backend, "engine-p")
-    d = create_transport(backend, "engine-d")
+    p = new_transport(backend, "engine-p")
+    d = new_transport(backend, "engine-d")
     try:
         layout = p.register_kv_caches({"layer.0": torch.zeros(4, 2, 1, 4, 8)})
         d.register_kv_caches(kv_caches(seed=2))
@@ -154,7 +155,7 @@ def test_close_is_idempotent_and_stops_every_thread(backend):
 
 def serve_blocks(backend: str, conn) -> None:
     """P's process: register seed-1 KV, hand out the handshake data, report notifications."""
-    p = create_transport(backend, "engine-p")
+    p = new_transport(backend, "engine-p")
     p_kv = kv_caches(seed=1)
     layout = p.register_kv_caches(p_kv)
     conn.send((p.agent_metadata(), layout))
@@ -170,7 +171,7 @@ def test_read_across_two_processes(backend):
     parent, child = context.Pipe()
     proc = context.Process(target=serve_blocks, args=(backend, child), daemon=True)
     proc.start()
-    d = create_transport(backend, "engine-d")
+    d = new_transport(backend, "engine-d")
     try:
         d_kv = kv_caches(seed=2)
         d_kv_before = {name: kv.clone() for name, kv in d_kv.items()}
