@@ -503,6 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-device", default="cuda",
                         help="--gpu: the device (cpu: a dry run of the same code on host memory)")
     parser.add_argument("--markdown", type=Path, default=None, help="--gpu: also write the table here")
+    parser.add_argument("--layout", default="smollm2-135m", choices=("smollm2-135m", "llama-8b"),
+                        help="--gpu: the KV layout (llama-8b at 4096 tokens, block size 16: issue 33's "
+                             "512 MiB block set)")
     args = parser.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():
@@ -516,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpu:
         from transfer_gpu import run_gpu  # benchmarks/transfer_gpu.py
 
-        raise SystemExit(run_gpu(args.tokens, args.block_sizes, args.reps, args.gpu_device, args.markdown))
+        raise SystemExit(run_gpu(args.tokens, args.block_sizes, args.reps, args.gpu_device, args.markdown,
+                                 args.layout))
     print(cpu_summary())
     print("throughput in GB/s (SmolLM2 layout: 30 layers x 3 KV heads x 64 dims, fp32); "
           "conn* = the NixlConnector worker path (pin + read + notification), +cksum with "

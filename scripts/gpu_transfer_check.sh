@@ -4,7 +4,8 @@
 #   (b) gpu-tests  the GPU-marked tests under tests/kv_transfer (cuda_ipc between two processes,
 #                  host staging of GPU KV) and the files they sit in
 #   (c) bench      benchmarks/bench_transfer.py --gpu: cuda_ipc, NIXL on VRAM and host staging
-#                  against the device's own block copy
+#                  against the device's own block copy and a pinned round trip, on the issue's
+#                  512 MiB Llama-8B block set (bench-issue) and on SmolLM2's layout (bench)
 # Each part's log goes to $OUT (the device tool sets it), else /tmp/kvrelay-gpu-transfer; a
 # PASS/FAIL line per part ends the output. Called by scripts/gpu_check.sh; on its own:
 #   bash scripts/gpu_transfer_check.sh
@@ -27,7 +28,10 @@ part() {
 
 part ucx-diag 30 bash scripts/ucx_diag.sh
 mapfile -t FILES < <(grep -rl --include='test_*.py' "mark.gpu" tests/kv_transfer | sort)
-part gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 "${FILES[@]}"
-part bench 150 "$PY" benchmarks/bench_transfer.py --gpu --tokens 1024 8192 --block-sizes 16 64 --reps 5 \
+part gpu-tests 110 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 "${FILES[@]}"
+# issue 33's case: 4096 tokens of a Llama-8B layout, block size 16 (512 MiB), pull through each path
+part bench-issue 110 "$PY" benchmarks/bench_transfer.py --gpu --layout llama-8b --tokens 4096 --block-sizes 16 \
+  --reps 3 --markdown "$LOGS/bench_transfer_gpu_llama8b.md"
+part bench 70 "$PY" benchmarks/bench_transfer.py --gpu --tokens 1024 8192 --block-sizes 16 64 --reps 3 \
   --markdown "$LOGS/bench_transfer_gpu.md"
 exit $STATUS
