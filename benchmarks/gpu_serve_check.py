@@ -9,6 +9,10 @@ serve: `kvrelay serve DIR --device D` answers a completion and a chat completion
 up:    `kvrelay up DIR --device D` (1P1D behind the proxy) answers the same greedy completion with
        the same text as the single instance (run first if its answer is not there yet).
 
+Both also time the first token of 4096-token prompts (streamed, one warm-up, then the median of
+three different prompts, no prefix shared): `up` prints P/D's median against the single
+instance's (issue 33's target: <= 1.2x) on a line of its own; the verdict is the answer's.
+
 The model directory (config.json, model.safetensors, tokenizer.json with a chat template) is
 written once into WORKDIR by tests/tiny.py's writer: a 4-layer Llama of the tiny word vocabulary
 ("t17" is token 17) with weights wide enough (std 0.1) that greedy text varies. Prints one
@@ -38,11 +42,39 @@ from tests.tiny import write_tiny_model_dir  # noqa: E402
 
 MODEL_OVERRIDES: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=2048, initializer_range=0.1)
+    max_position_embeddings=8192, initializer_range=0.1)
 # 40 words of the tiny vocabulary: three blocks of 16 with a partial last one.
 PROMPT = " ".join(f"t{(11 * i + 5) % 250 + 2}" for i in range(40))
 MAX_TOKENS = 16
 ANSWER_FILE = "single_answer.json"
+LONG_PROMPT_WORDS = 4096  # one token each in the tiny vocabulary
+
+
+def long_prompt(k: int) -> str:
+    """The k-th 4096-token prompt; two of them share no first token, so no prefix either."""
+    return " ".join(f"t{(7 * i + 31 * k) % 250 + 2}" for i in range(LONG_PROMPT_WORDS))
+
+
+def first_token_ms(url: str, model: str, prompt: str) -> float:
+    """Milliseconds from sending a streamed completion to its first text chunk."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "stream": True}
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300, trust_env=False) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
+                return (time.perf_counter() - started) * 1000
+    raise RuntimeError("the stream ended without a token")
+
+
+def ttft_ms(url: str, model: str) -> list[float]:
+    """One warm-up, then three measured prompts (the same three on every instance)."""
+    first_token_ms(url, model, long_prompt(0))
+    return [first_token_ms(url, model, long_prompt(k)) for k in (1, 2, 3)]
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def model_dir(workdir: Path) -> Path:
@@ -94,14 +126,18 @@ def check_serve(workdir: Path, device: str, timeout_s: float) -> tuple[bool, str
         model = model_id(server.url)
         text, client = complete(server.url, model)
         reply = chat(server.url, model)
+        ttfts = ttft_ms(server.url, model)
     except Exception as e:  # noqa: BLE001 - reported with the server's log
         server.stop()
         return False, f"{type(e).__name__}: {e}\n--- serve log (tail) ---\n{tail(server.log())}"
     code = server.stop()
-    (workdir / ANSWER_FILE).write_text(json.dumps({"prompt": PROMPT, "text": text, "device": device}))
+    (workdir / ANSWER_FILE).write_text(json.dumps({"prompt": PROMPT, "text": text, "device": device,
+                                                   "ttft_ms": ttfts}))
     if not text.strip() or not reply.strip():
         return False, f"empty answer: completion {text!r}, chat {reply!r}"
     return code == 0, (f"client {client}; completion {text!r}; chat {reply!r}; "
+                       f"TTFT of a {LONG_PROMPT_WORDS}-token prompt: "
+                       f"{', '.join(f'{t:.1f}' for t in ttfts)} ms; "
                        f"serve exited with {code}\n--- serve log (tail) ---\n{tail(server.log(), 15)}")
 
 
@@ -112,7 +148,8 @@ def check_up(workdir: Path, device: str, timeout_s: float) -> tuple[bool, str]:
         ok, detail = check_serve(workdir, device, timeout_s / 2)
         if not ok:
             return False, f"the single instance's answer is missing and serving it failed: {detail}"
-    single = json.loads(answer_path.read_text())["text"]
+    single_run = json.loads(answer_path.read_text())
+    single = single_run["text"]
     log_dir = workdir / "up-logs"
     port = free_port()
     cmd = [sys.executable, "-m", "kvrelay.entrypoints.cli", "up", str(model_dir(workdir)), "--device", device,
@@ -121,7 +158,9 @@ def check_up(workdir: Path, device: str, timeout_s: float) -> tuple[bool, str]:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = wait_ready(proc, workdir / "up.log", timeout_s)
-        text, client = complete(url, model_id(url))
+        model = model_id(url)
+        text, client = complete(url, model)
+        ttfts = ttft_ms(url, model)
     except Exception as e:  # noqa: BLE001 - reported with the cluster's logs
         stop_group(proc)
         return False, f"{type(e).__name__}: {e}\n{cluster_logs(workdir / 'up.log', log_dir)}"
@@ -129,7 +168,18 @@ def check_up(workdir: Path, device: str, timeout_s: float) -> tuple[bool, str]:
     same = text == single
     verdict = "equals" if same else f"DIFFERS from the single instance's {single!r}"
     logs = cluster_logs(workdir / "up.log", log_dir)
-    return same, f"client {client}; P/D answer {text!r} {verdict}\n{logs}"
+    return same, f"client {client}; P/D answer {text!r} {verdict}\n{ttft_line(single_run, ttfts)}\n{logs}"
+
+
+def ttft_line(single_run: dict[str, Any], ttfts: list[float]) -> str:
+    pd = median(ttfts)
+    if "ttft_ms" not in single_run:
+        return f"TTFT of a {LONG_PROMPT_WORDS}-token prompt: P/D {pd:.1f} ms (no single-instance figure)"
+    single = median(single_run["ttft_ms"])
+    ratio = pd / single
+    return (f"TTFT of a {LONG_PROMPT_WORDS}-token prompt (median of 3): single {single:.1f} ms, "
+            f"P/D {pd:.1f} ms: {ratio:.2f}x the single instance (target <= 1.2x): "
+            f"{'met' if ratio <= 1.2 else 'NOT met'}")
 
 
 def wait_ready(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> str:

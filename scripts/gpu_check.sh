@@ -6,7 +6,9 @@
 #                  baseline), throughput against transformers, GPU busy share, greedy tokens
 #   (c) serve      `kvrelay serve --device cuda` answers the OpenAI client (a random-weights
 #                  model directory written to /tmp)
-#   (d) up         `kvrelay up --device cuda`: 1P1D on the one GPU answers like the single instance
+#   (d) up         `kvrelay up --device cuda`: 1P1D on the one GPU answers like the single instance;
+#                  serve and up also time the first token of 4096-token prompts (issue 33: P/D
+#                  TTFT <= 1.2x the single instance's) and up's log names the KV transfer path
 # Each part has its own time limit (480 s in all); a PASS/FAIL line per part ends the output. With
 # $OUT set (the device tool sets it) each part's log, the benchmark's tables (bench_gpu.md,
 # bench_gpu.json) and the summary are written there, and so come back.
