@@ -17,8 +17,9 @@
 #   bash scripts/gpu_check.sh --wheels      # .whl/: ../shared/tools/device_wheels.sh + the OpenAI client
 # The device call: command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 540.
 # The KV-out-of-VRAM check of issue 33 is its own device call (it would not fit in this one's
-# limit): command "bash scripts/gpu_check.sh --transfer", carry [".whl"], timeout_s 330; it runs
-# scripts/gpu_transfer_check.sh (UCX facts, the GPU transfer tests, bench_transfer.py --gpu).
+# limit): command "bash scripts/gpu_check.sh --transfer", carry [".whl"], timeout_s 420; it runs
+# scripts/gpu_transfer_check.sh (UCX facts, the GPU transfer tests, bench_transfer.py --gpu, the
+# offload targets in benchmarks/offload_gpu.py).
 # The script itself, without a GPU:
 #   GPU_CHECK_DRY=1 PYTHON=.venv/bin/python bash scripts/gpu_check.sh
 #   (the same parts on the CPU: the GPU tests skip with their reason, the benchmark's host section

@@ -6,6 +6,8 @@
 #   (c) bench      benchmarks/bench_transfer.py --gpu: cuda_ipc, NIXL on VRAM and host staging
 #                  against the device's own block copy and a pinned round trip, on the issue's
 #                  512 MiB Llama-8B block set (bench-issue) and on SmolLM2's layout (bench)
+#   (d) offload    benchmarks/offload_gpu.py: a repeated 4096-token prompt computes one token, and
+#                  decode ITL with the tier's stores and loads running against without
 # Each part's log goes to $OUT (the device tool sets it), else /tmp/kvrelay-gpu-transfer; a
 # PASS/FAIL line per part ends the output. Called by scripts/gpu_check.sh; on its own:
 #   bash scripts/gpu_transfer_check.sh
@@ -34,4 +36,5 @@ part bench-issue 110 "$PY" benchmarks/bench_transfer.py --gpu --layout llama-8b 
   --reps 3 --markdown "$LOGS/bench_transfer_gpu_llama8b.md"
 part bench 70 "$PY" benchmarks/bench_transfer.py --gpu --tokens 1024 8192 --block-sizes 16 64 --reps 3 \
   --markdown "$LOGS/bench_transfer_gpu.md"
+part offload 90 "$PY" benchmarks/offload_gpu.py --device cuda
 exit $STATUS
