@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,25 +239,33 @@ def decode_itl_beside_prefills(llm: LLM, num_tokens: int, stores_on: bool, seed:
         background.copy_out = lambda saves: None
     rng = random.Random(seed)
     drain(llm)  # nothing from an earlier run is still being written, counting starts at zero
-    engine.add_request({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(100)]},
+    decode_prompt = [rng.randrange(100, 40000) for _ in range(100)]
+    itl = decode_itl_beside(engine, num_tokens, decode_prompt,
+                            lambda: [rng.randrange(100, 40000) for _ in range(prompt_len)])
+    background.copy_out = original
+    return itl, drain(llm)
+
+
+def decode_itl_beside(engine: Any, num_tokens: int, decode_prompt: list[int],
+                      next_prompt: Callable[[], list[int] | None]) -> float:
+    """Median seconds between output tokens of one decoding request while other requests arrive
+    one at a time (`next_prompt()`, None once there are no more), each asking for one token."""
+    engine.add_request({"prompt_token_ids": decode_prompt},
                        SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True),
                        request_id="decode")
     stamps: list[float] = []
-    prefill_in_flight = False
+    other_in_flight = False
     while engine.has_unfinished_requests():
-        if not prefill_in_flight and len(stamps) < num_tokens:
-            engine.add_request({"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(prompt_len)]},
-                               SamplingParams(max_tokens=1, temperature=0.0))
-            prefill_in_flight = True
+        if not other_in_flight and len(stamps) < num_tokens and (prompt := next_prompt()) is not None:
+            engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0.0))
+            other_in_flight = True
         for out in engine.step():
             if out.request_id == "decode":
                 stamps.append(time.perf_counter())
             elif out.finished:
-                prefill_in_flight = False
-    background.copy_out = original
-    stats = drain(llm)
+                other_in_flight = False
     gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # skip the prefill
-    return statistics.median(gaps), stats
+    return statistics.median(gaps)
 
 
 @dataclass

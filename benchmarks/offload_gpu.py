@@ -23,13 +23,19 @@ import argparse
 import random
 import statistics
 import sys
-import time
 
 import model_shapes  # benchmarks/model_shapes.py
-from bench_offload import CHUNK_TOKENS, close, decode_itl_beside_prefills, drain, ttft_computing
+from bench_offload import (
+    CHUNK_TOKENS,
+    close,
+    decode_itl_beside,
+    decode_itl_beside_prefills,
+    drain,
+    ttft_computing,
+)
 from gpu_measure import kvrelay_llm
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import LLM
 
 NUM_REPEATS = 4
 
@@ -44,31 +50,6 @@ def offload_gpu_llm(device: str, prompt_tokens: int) -> LLM:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return kvrelay_llm(loaded, device, dtype, "2GiB", seed=0, kv_transfer_config=transfer,
                        max_model_len=max(4096, prompt_tokens + 256))
-
-
-def decode_itl_beside_loads(llm: LLM, num_tokens: int, prompts: list[list[int]]) -> float:
-    """Median seconds between output tokens of one decoding request while `prompts` (stored in the
-    tier, not in the GPU prefix cache) arrive one after another; without prompts: alone."""
-    engine = llm.engine
-    engine.add_request({"prompt_token_ids": [random.Random(7).randrange(100, 40000) for _ in range(100)]},
-                       SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True),
-                       request_id="decode")
-    waiting = list(prompts)
-    stamps: list[float] = []
-    in_flight = False
-    while engine.has_unfinished_requests():
-        if not in_flight and waiting and len(stamps) >= 2:
-            engine.add_request({"prompt_token_ids": waiting.pop()},
-                               SamplingParams(max_tokens=1, temperature=0.0))
-            in_flight = True
-        for out in engine.step():
-            if out.request_id == "decode":
-                stamps.append(time.perf_counter())
-            elif out.finished:
-                in_flight = False
-    engine.run_until_idle(timeout_s=600)
-    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # skip the prefill
-    return statistics.median(gaps)
 
 
 def run(device: str, decode_tokens: int, prompt_tokens: int) -> list[tuple[str, str, str]]:
@@ -106,8 +87,11 @@ def run(device: str, decode_tokens: int, prompt_tokens: int) -> list[tuple[str, 
             ttft_computing(llm, prompt)
         drain(llm)
         llm.engine.scheduler.reset_prefix_cache()
-        alone = decode_itl_beside_loads(llm, decode_tokens, [])
-        beside = decode_itl_beside_loads(llm, decode_tokens, loaded)
+        decode_prompt = [random.Random(7).randrange(100, 40000) for _ in range(100)]
+        alone = decode_itl_beside(llm.engine, decode_tokens, decode_prompt, lambda: None)
+        beside = decode_itl_beside(llm.engine, decode_tokens, decode_prompt,
+                                   lambda: loaded.pop() if loaded else None)
+        llm.engine.run_until_idle(timeout_s=600)
         rows.append(("loads: decode ITL alone / beside repeated prompts loaded, ms",
                      f"{alone * 1e3:.2f} / {beside * 1e3:.2f} ({beside / alone - 1:+.1%})",
                      "met" if beside <= 1.1 * alone else "NOT met"))
