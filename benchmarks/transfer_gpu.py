@@ -138,7 +138,13 @@ class Paths:
         def close() -> None:
             d.close()
             parent.send("done")
-            proc.join(30)
+            # NOTE: not join(): on host memory torch's shared-memory manager, started in P's
+            # process, keeps join's pipe open after P exits
+            deadline = time.monotonic() + 30
+            while proc.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if proc.is_alive():
+                proc.kill()
 
         self.closers.append(close)
 

@@ -64,7 +64,8 @@ def test_a_slow_copy_aborted_midway_frees_d_blocks_only_after_it_settled(make_pd
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_unopenable_handles_follow_the_failure_policy(make_pd, transports, reference, policy) -> None:
-    pd = make_pd(p_extra=IPC, d_extra=IPC, d_policy=policy)
+    # D never reads, so P frees the blocks when their lease runs out: a short one, for the test
+    pd = make_pd(p_extra={**IPC, "lease_seconds": 1.0}, d_extra=IPC, d_policy=policy)
     d_ipc = transports[1].ipc
     assert isinstance(d_ipc, HostIpc)
     d_ipc.fail_open = True  # e.g. P is in another container, or on GPUs D cannot see
