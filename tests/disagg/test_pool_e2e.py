@@ -23,11 +23,14 @@ SERVE_ARGS = ("--served-model-name", "tiny", "--kv-cache-memory", "8MiB", "--blo
               "--log-level", "warning")
 SHARED = " ".join(f"t{(5 * i) % 250 + 2}" for i in range(40))  # a shared 40-token prefix
 PROMPTS = [f"{SHARED} " + " ".join(f"t{(11 * k + j) % 250 + 2}" for j in range(3 + k)) for k in range(3)]
+# An answer long enough to still be written when the test drains its instance: the tiny model
+# decodes a few hundred tokens faster than the test's admin calls can follow.
+LONG_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny_pool_model"))
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny_pool_model"), max_position_embeddings=2048)
 
 
 def start_cluster(model_dir: Path, num_decode: int) -> LocalCluster:
@@ -116,7 +119,7 @@ def test_a_running_cluster_takes_a_new_decode_instance_and_drains_an_old_one_los
     monkeypatch.setenv("KVRELAY_ADMIN_KEY", KEY)
     try:
         reference = {p: complete(cluster.url, p) for p in PROMPTS}
-        long_reference = complete(cluster.url, PROMPTS[0], max_tokens=300)
+        long_reference = complete(cluster.url, PROMPTS[0], max_tokens=LONG_TOKENS)
         (p,), (old,) = cluster.prefill, cluster.decode
         with Load(cluster.url) as load:
             # `kvrelay pool add` without a URL: the launcher starts a decode instance, the proxy adds it.
@@ -127,7 +130,7 @@ def test_a_running_cluster_takes_a_new_decode_instance_and_drains_an_old_one_los
             # Two long answers at once: the decode policy puts one on each decoder.
             long_answers: list[str] = []
             streams = [threading.Thread(target=lambda: long_answers.append(
-                complete(cluster.url, PROMPTS[0], stream=True, max_tokens=300))) for _ in range(2)]
+                complete(cluster.url, PROMPTS[0], stream=True, max_tokens=LONG_TOKENS))) for _ in range(2)]
             for stream in streams:
                 stream.start()
             poll(lambda: listed(cluster.url)[old.url]["in_flight"] > 0, 60, "a long answer on the old one")
