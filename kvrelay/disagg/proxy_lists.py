@@ -1,7 +1,9 @@
 """A list of prompts through the proxy: one P leg and one D leg per prompt, merged back.
 
 The bodies are split and the answers merged by kvrelay.disagg.prompt_list; this module runs
-the legs (concurrently) on the proxy and relays the merged answer.
+the legs (concurrently) on the proxy and relays the merged answer. A prompt whose P answer is
+already final (its one token ends it: kvrelay.disagg.prefill_answer) gets no D leg; P's answer
+takes its place in the merge, streamed as `kvrelay serve` would stream it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvrelay.disagg import prompt_list
+from kvrelay.disagg import prefill_answer, prompt_list
 from kvrelay.disagg.backends import Backend
 from kvrelay.disagg.legs import REQUEST_ID_HEADER, DecodeLeg, Prefilled, decode_body
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
@@ -46,9 +48,8 @@ logger = logging.getLogger(__name__)
 
 async def generate_list(proxy: LegsProxy, request: Request, route: str, body: dict[str, Any],
                         prompts: list[Any], request_id: str, client_headers: httpx.Headers) -> Response:
-    """One P leg and one D leg per prompt, concurrently; the answers merged in prompt order.
-    (A prompt whose P answer is already final still gets its D leg here: merging one answer
-    from P into the others' streams is not worth its complexity.)"""
+    """One P leg per prompt, then one D leg for each prompt P did not already finish, all
+    concurrently; the answers merged in prompt order."""
     ids = [f"{request_id}-{k}" for k in range(len(prompts))]
     bodies = [{**body, "prompt": prompt} for prompt in prompts]
     headers = [proxy.headers(rid, client_headers) for rid in ids]
@@ -58,40 +59,56 @@ async def generate_list(proxy: LegsProxy, request: Request, route: str, body: di
     if await request.is_disconnected():
         proxy.metrics.errors.labels(kind="client_disconnected").inc()
         return Response(status_code=499)
+    finals = {k: pre.final_answer for k, pre in enumerate(prefilled) if pre.final_answer is not None}
+    to_decode = [k for k in range(len(prompts)) if k not in finals]
     opened = await asyncio.gather(*(
-        proxy.open_decode(route, decode_body(b, rid, pre.params), rid, h, p, pre.source)
-        for b, rid, pre, h, p in zip(bodies, ids, prefilled, headers, blocks, strict=True)))
-    legs = [leg for leg in opened if not isinstance(leg, Response)]
+        proxy.open_decode(route, decode_body(bodies[k], ids[k], prefilled[k].params), ids[k], headers[k],
+                          blocks[k], prefilled[k].source)
+        for k in to_decode))
+    legs = {k: leg for k, leg in zip(to_decode, opened, strict=True) if not isinstance(leg, Response)}
     failed = [leg for leg in opened if isinstance(leg, Response)]
     if failed:  # one prompt's error answers the request, as one instance's would
-        for leg in legs:
+        for leg in legs.values():
             await proxy.close_leg(leg, "cancelled")
         return failed[0]
     n = prompt_list.num_choices(body)
     response_id = ("chatcmpl-" if route.endswith("chat/completions") else "cmpl-") + request_id
     response_headers = {REQUEST_ID_HEADER: request_id}
     if not body.get("stream"):
-        answers = []
-        for leg in legs:
-            try:
-                answers.append(json.loads(await leg.upstream.aread()))
-            finally:
-                await proxy.close_leg(leg, "ok")
+        answers: list[dict[str, Any]] = []
+        outcome = "error"
+        try:
+            for k in range(len(prompts)):
+                answers.append(json.loads(await legs[k].upstream.aread()) if k in legs else finals[k])
+            outcome = "ok"
+        finally:
+            for leg in legs.values():
+                await proxy.close_leg(leg, outcome)
         return JSONResponse(prompt_list.merge_bodies(answers, n, response_id), headers=response_headers)
-    return StreamingResponse(relay_list(proxy, legs, n, response_id, request_id),
+    streams = [legs[k].upstream.aiter_lines() if k in legs else _final_lines(route, bodies[k], finals[k])
+               for k in range(len(prompts))]
+    return StreamingResponse(relay_list(proxy, streams, legs, n, response_id, request_id),
                              media_type="text/event-stream", headers=response_headers)
 
 
-async def relay_list(proxy: LegsProxy, legs: list[DecodeLeg], n: int, response_id: str,
-                     request_id: str) -> AsyncIterator[bytes]:
-    """The legs' SSE chunks interleaved as they arrive, renumbered; one usage chunk and one
-    [DONE] at the end. Closing this (client gone) closes every leg, aborting them on D."""
-    queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
-    outcomes = ["ok"] * len(legs)
+async def _final_lines(route: str, body: dict[str, Any], answer: dict[str, Any]) -> AsyncIterator[str]:
+    """P's final answer to one prompt as the lines of the stream a D leg would have sent."""
+    for event in prefill_answer.streamed(route, body, answer):
+        for line in event.decode().splitlines():
+            yield line
 
-    async def pump(k: int, upstream: httpx.Response) -> None:
+
+async def relay_list(proxy: LegsProxy, streams: list[AsyncIterator[str]], legs: dict[int, DecodeLeg], n: int,
+                     response_id: str, request_id: str) -> AsyncIterator[bytes]:
+    """Each prompt's SSE chunks (`streams[k]`: prompt k's lines, from its D leg `legs[k]` or
+    from P's final answer) interleaved as they arrive, renumbered; one usage chunk and one
+    [DONE] at the end. Closing this (client gone) closes every D leg, aborting them on D."""
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+    outcomes = dict.fromkeys(legs, "ok")
+
+    async def pump(k: int, stream: AsyncIterator[str]) -> None:
         try:
-            async for line in upstream.aiter_lines():
+            async for line in stream:
                 event = prompt_list.parse_sse_line(line)
                 if isinstance(event, dict):
                     queue.put_nowait((k, event))
@@ -102,11 +119,11 @@ async def relay_list(proxy: LegsProxy, legs: list[DecodeLeg], n: int, response_i
         finally:
             queue.put_nowait((k, None))
 
-    tasks = [asyncio.ensure_future(pump(k, leg.upstream)) for k, leg in enumerate(legs)]
+    tasks = [asyncio.ensure_future(pump(k, stream)) for k, stream in enumerate(streams)]
     usage: dict[str, Any] | None = None
     last_chunk: dict[str, Any] | None = None
     try:
-        remaining = len(legs)
+        remaining = len(streams)
         while remaining:
             k, event = await queue.get()
             if event is None:
@@ -121,7 +138,7 @@ async def relay_list(proxy: LegsProxy, legs: list[DecodeLeg], n: int, response_i
             yield f"data: {json.dumps({**last_chunk, 'id': response_id, 'usage': usage})}\n\n".encode()
         yield b"data: [DONE]\n\n"
     except BaseException:
-        outcomes = ["cancelled" if o == "ok" else o for o in outcomes]
+        outcomes = {k: "cancelled" if o == "ok" else o for k, o in outcomes.items()}
         proxy.metrics.errors.labels(kind="client_disconnected").inc()
         raise
     finally:
@@ -129,5 +146,5 @@ async def relay_list(proxy: LegsProxy, legs: list[DecodeLeg], n: int, response_i
             task.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
-        for leg, outcome in zip(legs, outcomes, strict=True):
-            await proxy.close_leg(leg, outcome)
+        for k, leg in legs.items():
+            await proxy.close_leg(leg, outcomes[k])

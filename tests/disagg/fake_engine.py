@@ -40,6 +40,7 @@ class FakeEngine:
     chunk_delay: float = 0.0
     num_chunks: int = 3
     stop_on_first_token: bool = False  # P's one token is the end of sequence
+    stop_prompts: tuple[str, ...] = ()  # completion prompts whose P token ends them (the others go on)
     healthy: bool = True
     tokenizes_differently: bool = False  # its /tokenize disagrees with the proxy's tokenizer
     cached: set[bytes] = field(default_factory=set)
@@ -128,7 +129,7 @@ class FakeEngine:
 
     def _answer(self, body: dict[str, Any], route: str, num_tokens: int, hit: int) -> dict[str, Any]:
         is_prefill = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
-        stops = self.stop_on_first_token and is_prefill
+        stops = bool(is_prefill) and (self.stop_on_first_token or body.get("prompt") in self.stop_prompts)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "stop_reason": None,
                                   "finish_reason": "stop" if stops else "length"}
         if route.endswith("chat/completions"):
