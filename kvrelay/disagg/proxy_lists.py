@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvrelay.disagg import prefill_answer, prompt_list
 from kvrelay.disagg.backends import Backend
-from kvrelay.disagg.legs import REQUEST_ID_HEADER, DecodeLeg, Prefilled, decode_body
+from kvrelay.disagg.legs import REQUEST_ID_HEADER, DecodeLeg, Prefilled, decode_body, openai_error
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
 from kvrelay.disagg.routing import PromptBlocks
 
@@ -79,7 +79,12 @@ async def generate_list(proxy: LegsProxy, request: Request, route: str, body: di
         outcome = "error"
         try:
             for k in range(len(prompts)):
-                answers.append(json.loads(await legs[k].upstream.aread()) if k in legs else finals[k])
+                answer = await _read_answer(legs[k]) if k in legs else finals[k]
+                if isinstance(answer, str):
+                    proxy.metrics.errors.labels(kind="decode_bad_response").inc()
+                    logger.warning("request %s: prompt %d: %s", request_id, k, answer)
+                    return openai_error(502, f"prompt {k} of the list: {answer}")
+                answers.append(answer)
             outcome = "ok"
         finally:
             for leg in legs.values():
@@ -89,6 +94,19 @@ async def generate_list(proxy: LegsProxy, request: Request, route: str, body: di
                for k in range(len(prompts))]
     return StreamingResponse(relay_list(proxy, streams, legs, n, response_id, request_id),
                              media_type="text/event-stream", headers=response_headers)
+
+
+async def _read_answer(leg: DecodeLeg) -> dict[str, Any] | str:
+    """D's non-streamed answer to one prompt, or what is wrong with it."""
+    raw = await leg.upstream.aread()
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        return (f"decode instance {leg.backend.url} answered with a body that is not a completion: "
+                f"{raw[:80]!r}")
+    return answer
 
 
 async def _final_lines(route: str, body: dict[str, Any], answer: dict[str, Any]) -> AsyncIterator[str]:

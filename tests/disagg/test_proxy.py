@@ -266,6 +266,8 @@ class CompletionBackend(FakeBackend):
         if self.mode == "bad_request" and body["prompt"] == "bad":
             return JSONResponse({"error": {"message": "no", "type": "BadRequestError", "param": "prompt",
                                            "code": 400}}, status_code=400)
+        if self.mode == "not_json" and body["prompt"] == "bad":
+            return Response(b"<html>oops</html>", media_type="text/html")
         n, prompt = body.get("n", 1), body["prompt"]
         usage = {"prompt_tokens": len(str(prompt)), "completion_tokens": 2 * n,
                  "total_tokens": len(str(prompt)) + 2 * n, "prompt_tokens_details": {"cached_tokens": 1}}
@@ -338,6 +340,21 @@ def test_one_prompt_refused_by_d_answers_the_whole_list_with_that_error() -> Non
     with cluster([p], [d]) as url:
         response = httpx.post(url + "/v1/completions", json={"prompt": ["ok", "bad"], "stream": True})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+def test_a_list_answer_d_garbled_is_a_502_naming_the_prompt_and_every_leg_is_closed() -> None:
+    p, d = FakeBackend("P"), CompletionBackend("D", mode="not_json")
+    with cluster([p], [d]) as url:
+        response = httpx.post(url + "/v1/completions", json={"prompt": ["bad", "ok", "fine"]})
+        assert response.status_code == 502
+        message = response.json()["error"]["message"]
+        assert message.startswith("prompt 0 of the list: decode instance http://127.0.0.1:")
+        assert "not a completion" in message and "oops" in message
+        assert metric(url, "kvrelay_proxy_errors_total", kind="decode_bad_response") == 1
+        assert metric(url, "kvrelay_proxy_legs_total", leg="decode", outcome="error") == 3
+        assert metric(url, "kvrelay_proxy_legs_total", leg="decode", outcome="ok") == 0
+        ok = httpx.post(url + "/v1/completions", json={"prompt": ["ok", "fine"]})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
 def test_a_single_prompt_list_and_token_ids_go_through_unsplit() -> None:
