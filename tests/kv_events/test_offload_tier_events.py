@@ -81,7 +81,8 @@ def test_an_engine_with_a_cpu_tier_publishes_its_chunks_as_cpu_blocks(tmp_path: 
     llm.engine.scheduler.kv_event_publisher = publisher  # the same batches, read in the test
     try:
         prompts = prompts_of([3 * CHUNK_TOKENS + 3] * 6, seed=4)
-        generate(llm, prompts)
+        for prompt in prompts:  # one at a time, each one's stores landed before the next:
+            generate(llm, [prompt])  # later prompts' chunks evict earlier ones
         events = [e for b in publisher.batches for e in b.events]
         cpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
         # Which chunks get stored, and in what order, depends on the worker's timing (a full
