@@ -33,7 +33,14 @@ def can_answer_from_prefill(body: dict[str, Any], answer: dict[str, Any]) -> boo
 
 
 def streamed(route: str, body: dict[str, Any], answer: dict[str, Any]) -> Iterator[bytes]:
-    """P's non-streamed `answer` as the SSE events `kvrelay serve` sends for it."""
+    """P's non-streamed `answer` as the SSE stream `kvrelay serve` sends for it."""
+    for event in stream_events(route, body, answer):
+        yield _sse(event)
+    yield b"data: [DONE]\n\n"
+
+
+def stream_events(route: str, body: dict[str, Any], answer: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The chunks of that stream, before the closing [DONE]."""
     chat = route.endswith("/chat/completions")
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -45,17 +52,16 @@ def streamed(route: str, body: dict[str, Any], answer: dict[str, Any]) -> Iterat
     if chat:
         role = {"index": last["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
-        yield _sse({**base, "choices": [role], **usage_field})
+        yield {**base, "choices": [role], **usage_field}
         text = (choice.get("message") or {}).get("content") or ""
         last["delta"] = {"content": text} if text else {}
     else:
         last["text"] = choice.get("text") or ""
     last.update(logprobs=choice.get("logprobs"), finish_reason=choice.get("finish_reason"),
                 stop_reason=choice.get("stop_reason"))
-    yield _sse({**base, "choices": [last], **usage_field})
+    yield {**base, "choices": [last], **usage_field}
     if include_usage:
-        yield _sse({**base, "choices": [], "usage": answer.get("usage")})
-    yield b"data: [DONE]\n\n"
+        yield {**base, "choices": [], "usage": answer.get("usage")}
 
 
 def _sse(event: dict[str, Any]) -> bytes:

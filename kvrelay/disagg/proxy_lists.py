@@ -45,6 +45,8 @@ class LegsProxy(Protocol):
 
 logger = logging.getLogger(__name__)
 
+Chunks = AsyncIterator[dict[str, Any]]  # one prompt's stream chunks, [DONE] left out
+
 
 async def generate_list(proxy: LegsProxy, request: Request, route: str, body: dict[str, Any],
                         prompts: list[Any], request_id: str, client_headers: httpx.Headers) -> Response:
@@ -90,7 +92,7 @@ async def generate_list(proxy: LegsProxy, request: Request, route: str, body: di
             for leg in legs.values():
                 await proxy.close_leg(leg, outcome)
         return JSONResponse(prompt_list.merge_bodies(answers, n, response_id), headers=response_headers)
-    streams = [legs[k].upstream.aiter_lines() if k in legs else _final_lines(route, bodies[k], finals[k])
+    streams = [_leg_events(legs[k].upstream) if k in legs else _final_events(route, bodies[k], finals[k])
                for k in range(len(prompts))]
     return StreamingResponse(relay_list(proxy, streams, legs, n, response_id, request_id),
                              media_type="text/event-stream", headers=response_headers)
@@ -109,27 +111,32 @@ async def _read_answer(leg: DecodeLeg) -> dict[str, Any] | str:
     return answer
 
 
-async def _final_lines(route: str, body: dict[str, Any], answer: dict[str, Any]) -> AsyncIterator[str]:
-    """P's final answer to one prompt as the lines of the stream a D leg would have sent."""
-    for event in prefill_answer.streamed(route, body, answer):
-        for line in event.decode().splitlines():
-            yield line
+async def _leg_events(upstream: httpx.Response) -> Chunks:
+    """The chunks of a D leg's SSE stream, as they arrive."""
+    async for line in upstream.aiter_lines():
+        event = prompt_list.parse_sse_line(line)
+        if isinstance(event, dict):
+            yield event
 
 
-async def relay_list(proxy: LegsProxy, streams: list[AsyncIterator[str]], legs: dict[int, DecodeLeg], n: int,
-                     response_id: str, request_id: str) -> AsyncIterator[bytes]:
-    """Each prompt's SSE chunks (`streams[k]`: prompt k's lines, from its D leg `legs[k]` or
-    from P's final answer) interleaved as they arrive, renumbered; one usage chunk and one
-    [DONE] at the end. Closing this (client gone) closes every D leg, aborting them on D."""
+async def _final_events(route: str, body: dict[str, Any], answer: dict[str, Any]) -> Chunks:
+    """P's final answer to one prompt as the chunks a D leg would have streamed."""
+    for event in prefill_answer.stream_events(route, body, answer):
+        yield event
+
+
+async def relay_list(proxy: LegsProxy, streams: list[Chunks], legs: dict[int, DecodeLeg],
+                     n: int, response_id: str, request_id: str) -> AsyncIterator[bytes]:
+    """Each prompt's chunks (`streams[k]`: prompt k's, from its D leg `legs[k]` or from P's
+    final answer) interleaved as they arrive, renumbered; one usage chunk and one [DONE] at the
+    end. Closing this (client gone) closes every D leg, aborting them on D."""
     queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
     outcomes = dict.fromkeys(legs, "ok")
 
-    async def pump(k: int, stream: AsyncIterator[str]) -> None:
+    async def pump(k: int, stream: Chunks) -> None:
         try:
-            async for line in stream:
-                event = prompt_list.parse_sse_line(line)
-                if isinstance(event, dict):
-                    queue.put_nowait((k, event))
+            async for event in stream:
+                queue.put_nowait((k, event))
         except httpx.TransportError as e:
             outcomes[k] = "error"
             proxy.metrics.errors.labels(kind="decode_stream_broken").inc()

@@ -101,11 +101,14 @@ def test_a_streamed_prompt_list_relays_ps_final_answer_beside_ds_streams(tmp_pat
 def test_a_prompt_list_that_p_finishes_entirely_sends_nothing_to_d(tmp_path: Path) -> None:
     p, d = FakeEngine("P", tmp_path, stop_on_first_token=True), FakeEngine("D", tmp_path)
     with proxy_over([p], [d]) as (url, _, _):
-        for stream in (False, True):
-            response = httpx.post(url + "/v1/completions", json={**LIST, "stream": stream}, timeout=30)
-            assert response.status_code == 200, response.text
-        answer = httpx.post(url + "/v1/completions", json=LIST, timeout=30).json()
-        assert [c["finish_reason"] for c in answer["choices"]] == ["stop"] * 3
+        plain = httpx.post(url + "/v1/completions", json=LIST, timeout=30)
+        streamed = httpx.post(url + "/v1/completions", json={**LIST, "stream": True}, timeout=30)
+        assert plain.status_code == streamed.status_code == 200, (plain.text, streamed.text)
+        assert [c["finish_reason"] for c in plain.json()["choices"]] == ["stop"] * 3
+        *chunks, done = events(streamed.text)
+        assert done == "[DONE]"
+        assert sorted((c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks) == [  # type: ignore[index]
+            (0, "stop"), (1, "stop"), (2, "stop")]
         assert d.requests == []
 
 
