@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: install
+test: install $(VLLM_STAMP)
 	# The offload tests start their own redis-server; this installs it (Debian package) if missing.
 	sh scripts/install_redis.sh
 	# The Mooncake tests need the wheel's system libraries (Debian packages); this installs them if missing.
