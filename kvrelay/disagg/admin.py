@@ -26,24 +26,18 @@ from fastapi.responses import JSONResponse
 from kvrelay.disagg.backends import ROLES, check_url
 from kvrelay.disagg.pool_manager import PoolManager
 from kvrelay.disagg.push_mode import parse_kv_address
+from kvrelay.entrypoints.openai_errors import error_response
 from kvrelay.kv_events.subscriber import StreamAddress
 
 _ADD_KEYS = {"role", "url", "kv_address", "kv_events"}
 _DRAIN_KEYS = {"url", "force"}
 _EVENT_KEYS = {"endpoint", "replay_endpoint", "topic"}
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 409: "ConflictError", 502: "BadGatewayError"}
 
 
 class AdminError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": None,
-                                   "code": status}}, status_code=status)
 
 
 class AdminAPI:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from kvrelay.disagg.backends import Backend
 from kvrelay.disagg.routing.policies import Decision
+from kvrelay.entrypoints.openai_errors import error_response
 
 # What the prefill leg asks of P: compute the prompt, keep its KV for a remote decoder.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -57,9 +58,9 @@ def decode_body(body: dict[str, Any], request_id: str,
     return leg
 
 
-def openai_error(status: int, message: str, error_type: str = "proxy_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": error_type, "param": None,
-                                   "code": status}}, status_code=status)
+def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """The proxy's own error answers, shaped exactly as `kvrelay serve`'s."""
+    return error_response(status, message, param)
 
 
 class Prefilled(NamedTuple):

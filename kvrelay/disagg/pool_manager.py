@@ -66,8 +66,8 @@ class PoolManager:
         self._client = client
         if self.index is not None and self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
-        for backend in self.members():
-            await self._track_index(backend)
+        silent = [b.url for b in self.members() if await self._track_index(b)]
+        _say_no_events(silent)
         if self.config.health_interval > 0:
             self._tasks.append(asyncio.ensure_future(self._health_loop()))
 
@@ -94,7 +94,8 @@ class PoolManager:
             raise ConnectionError(f"{url} did not answer its health check: {error}")
         self._refuse_member(url)  # again: another add may have won while we waited
         backend = pool.add(url, kv_address=kv_address, events=events)
-        await self._track_index(backend)
+        if await self._track_index(backend):
+            _say_no_events([url])
         logger.info("%s instance %s joined the pool", role, url)
         return backend
 
@@ -162,7 +163,8 @@ class PoolManager:
             if backend.state is InstanceState.DOWN:
                 backend.state = InstanceState.ACTIVE
                 logger.info("%s instance %s answers again: back in the pool", backend.role, backend.url)
-                await self._track_index(backend)  # it may have restarted with an empty cache
+                if await self._track_index(backend):  # it may have restarted with an empty cache
+                    _say_no_events([backend.url])
             elif backend.events is None and self.index is not None:
                 await self._track_index(backend)  # it did not say where it publishes: ask again
             return
@@ -181,19 +183,20 @@ class PoolManager:
 
     # ------------------------------------------------------------------ KV events
 
-    async def _track_index(self, backend: Backend) -> None:
+    async def _track_index(self, backend: Backend) -> bool:
         """Start the instance's index empty and follow its events (asking where it publishes
-        if nobody said so)."""
+        if nobody said so). True when it was just found to publish none (the caller says so)."""
         if self.index is None or self.subscriber is None:
-            return
+            return False
         block_size = None
         if backend.events is None:
             backend.events, block_size = await self._discover_events(backend.url)
             if backend.events is None and self.index.status(backend.url).reason == "no events endpoint":
-                return  # asked before, still nothing: keep the entry (and the log quiet)
+                return False  # asked before, still nothing: keep the entry (and the log quiet)
         self.index.track(backend.url, subscribed=backend.events is not None, block_size=block_size)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
+        return backend.events is None
 
     def _untrack_index(self, backend: Backend) -> None:
         if self.index is not None and self.subscriber is not None:
@@ -209,9 +212,6 @@ class PoolManager:
         except (httpx.HTTPError, ValueError):
             answer = {}
         if not isinstance(answer, dict) or not answer.get("enabled") or not answer.get("endpoint"):
-            if self.index is not None and self.index.status(url).reason != "no events endpoint":
-                logger.warning("%s publishes no KV events (GET /kv_events): kv-aware routing weighs it "
-                               "by load alone", url)
             return None, None
         host = urlsplit(url).hostname or "127.0.0.1"
         replay = answer.get("replay_endpoint")
@@ -247,6 +247,18 @@ class PoolManager:
                                    "replay_endpoint": backend.events.replay_endpoint,
                                    "topic": backend.events.topic}
         return report
+
+
+def _say_no_events(urls: list[str]) -> None:
+    """One line for every instance found to publish no KV events, with what turns them on."""
+    if not urls:
+        return
+    logger.info("kv-aware routing weighs %s by load alone: %s no KV events (GET /kv_events). To route "
+                "by cached prefix, start each `kvrelay serve` with --kv-events-config "
+                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:PORT\"}' (a free PORT each); a "
+                "vLLM instance needs the same flag and its endpoint given to the admin API (docs/routing.md)",
+                ", ".join(urls),
+                "it publishes" if len(urls) == 1 else "they publish")
 
 
 def connectable(endpoint: str, host: str) -> str:

@@ -32,7 +32,6 @@ The field names are vLLM's, so the proxy also fronts vLLM instances.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -62,6 +61,7 @@ from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
 from kvrelay.disagg.push_mode import push_decode_params, push_prefill_params
 from kvrelay.disagg.routing import Decision, PromptBlocks, PromptReader
+from kvrelay.entrypoints.openai_errors import APIError, add_error_handlers, read_json_object
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "DisaggProxy", "ProxyConfig", "build_app", "decode_body",
            "prefill_body"]
@@ -132,14 +132,10 @@ class DisaggProxy:
     async def generate(self, request: Request, route: str) -> Response:
         self.metrics.requests.labels(route=route).inc()
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = await read_json_object(request)
+        except APIError as e:
             self.metrics.errors.labels(kind="bad_request").inc()
-            return openai_error(400, f"request body is not valid JSON: {e}", "BadRequestError")
-        if not isinstance(body, dict):
-            self.metrics.errors.labels(kind="bad_request").inc()
-            return openai_error(400, f"request body must be a JSON object, got {type(body).__name__}",
-                                "BadRequestError")
+            return openai_error(e.status, e.message, e.param)
         request_id = f"kvrelay-{uuid.uuid4().hex}"
         client_headers = httpx.Headers(dict(request.headers))
         prompts = prompt_list.split_prompts(route, body)
@@ -425,6 +421,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvrelay P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    add_error_handlers(app)
     add_admin_routes(app, AdminAPI(proxy.manager, config.admin_key))
 
     @app.post("/v1/completions")

@@ -25,7 +25,6 @@ already in flight gets a suffix (see kvrelay.engine.async_llm); the response's `
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -35,10 +34,10 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM
+from kvrelay.entrypoints.openai_errors import APIError, add_error_handlers, error_body, read_json_object
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
 from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
 from kvrelay.entrypoints.protocol import (
@@ -65,25 +64,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param,
-                      "code": status}}
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
-
 
 class OpenAIServer:
     """The route logic, kept apart from FastAPI's wiring."""
@@ -121,7 +101,7 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
-        req = _parse(CompletionRequest, await _read_json(request))
+        req = _parse(CompletionRequest, await read_json_object(request))
         self.check_model(req.model)
         params = _to_sampling_params(req)
         prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
@@ -139,7 +119,7 @@ class OpenAIServer:
         return await self._generate(request, req, prompts, params, ctx)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _read_json(request))
+        req = _parse(ChatCompletionRequest, await read_json_object(request))
         self.check_model(req.model)
         params = _to_sampling_params(req)
         text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt), "messages")
@@ -284,7 +264,7 @@ class OpenAIServer:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt (special tokens added by default) or chat messages (the
         template's text, no special tokens added by default)."""
-        req = _parse(TokenizeRequest, await _read_json(request))
+        req = _parse(TokenizeRequest, await read_json_object(request))
         self.check_model(req.model)
         tokenizer = self.async_llm.engine.tokenizer
         if req.messages is not None:
@@ -302,7 +282,7 @@ class OpenAIServer:
         return body
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
-        req = _parse(DetokenizeRequest, await _read_json(request))
+        req = _parse(DetokenizeRequest, await read_json_object(request))
         self.check_model(req.model)
         vocab = self.async_llm.engine.spec.vocab_size
         for i, tok in enumerate(req.tokens):
@@ -335,13 +315,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     app.state.server = server
     auth = [Depends(server.check_api_key)]
 
-    @app.exception_handler(APIError)
-    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+    add_error_handlers(app)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -389,17 +363,6 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
 
 
 # --------------------------------------------------------------------------------- helpers
-async def _read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", "body") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", "body")
-    return body
-
-
 def _parse(model: type[RequestT], body: dict[str, Any]) -> RequestT:
     try:
         return model.model_validate(body)
