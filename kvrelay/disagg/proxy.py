@@ -223,8 +223,11 @@ class DisaggProxy:
         prompt_tokens, cached = _usage_tokens(answer)
         if index is not None:
             index.settle(backend.url, request_id, started_at, prompt_tokens, cached)
-        if decision.predicted_hit_tokens is not None and cached is not None:
-            self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, cached)
+        if index is not None and decision.predicted_hit_tokens is not None and cached is not None:
+            # NOTE: cached_tokens counts tier loads too (vLLM's count), which may end in a
+            # partial block; a prediction counts full blocks.
+            actual = index.whole_blocks(backend.url, cached)
+            self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, actual)
         self.manager.reap()
         return self._prefill_result(backend, outcome, answer, body, request_id)
 
