@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from kvrelay.disagg.instance_info import InstanceInfo
 from kvrelay.disagg.routing.policies import Decision, LeastLoaded, RoutingPolicy
 from kvrelay.disagg.routing.prompt import PromptBlocks
 from kvrelay.kv_events.subscriber import StreamAddress
@@ -49,6 +50,7 @@ class Backend:
     health_failures: int = 0  # consecutive failed health checks
     kv_address: tuple[str, int] | None = None  # push mode: its KV side channel
     events: StreamAddress | None = None  # where it publishes KV events, when known
+    info: InstanceInfo | None = None  # what it said at join (GET /v1/models); None: not yet
 
     @property
     def idle(self) -> bool:

@@ -2,7 +2,9 @@
 
     members    instances join (`add`: it must answer /health first) and leave (`drain`: no new
                legs, removed once nothing in flight needs it, including decode legs still
-               reading a prefill instance's KV)
+               reading a prefill instance's KV). At join the proxy asks what each one runs
+               (instance_info.py) and refuses one whose transfer mode is not its own: at start,
+               through `add`, or when it first answers a health check
     health     every `health_interval` seconds each instance's /health is asked: a refused
                connection or an error status takes it out of routing at once, so does a leg
                that cannot connect; `health_timeouts_to_drop` checks without an answer in a
@@ -23,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvrelay.disagg.backends import Backend, BackendPool, InstanceState
+from kvrelay.disagg.instance_info import TransferModeError, fetch_instance_info, mismatch, refusal
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.push_mode import check_push_config
 from kvrelay.disagg.routing.kv_index import KVIndex
@@ -64,6 +67,7 @@ class PoolManager:
 
     async def start(self, client: httpx.AsyncClient) -> None:
         self._client = client
+        await self.learn_instances()
         if self.index is not None and self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
         silent = [b.url for b in self.members() if await self._track_index(b)]
@@ -92,8 +96,13 @@ class PoolManager:
         healthy, error = await self.check(url)
         if not healthy:
             raise ConnectionError(f"{url} did not answer its health check: {error}")
+        info = await fetch_instance_info(self.client, url, self._auth_headers(), self.config.health_timeout)
+        problem = mismatch(role, url, info, self.config.transfer_mode) if info else None
+        if problem is not None:
+            raise TransferModeError(refusal([problem], self.config.transfer_mode, joining=True))
         self._refuse_member(url)  # again: another add may have won while we waited
         backend = pool.add(url, kv_address=kv_address, events=events)
+        backend.info = info
         if await self._track_index(backend):
             _say_no_events([url])
         logger.info("%s instance %s joined the pool", role, url)
@@ -129,6 +138,27 @@ class PoolManager:
                 self._untrack_index(backend)
                 logger.info("%s instance %s left the pool", backend.role, backend.url)
 
+    async def learn_instances(self, client: httpx.AsyncClient | None = None) -> None:
+        """Ask every member what it runs. TransferModeError naming each one that runs another
+        transfer mode than this proxy; one that does not answer is asked again when it does."""
+        problems = [p for b in self.members() if (p := await self._learn(b, client)) is not None]
+        if problems:
+            raise TransferModeError(refusal(problems, self.config.transfer_mode))
+
+    async def _learn(self, backend: Backend, client: httpx.AsyncClient | None = None) -> str | None:
+        info = await fetch_instance_info(client or self.client, backend.url, self._auth_headers(),
+                                         self.config.health_timeout)
+        if info is None:
+            return None
+        backend.info = info
+        return mismatch(backend.role, backend.url, info, self.config.transfer_mode)
+
+    def _refuse(self, backend: Backend, problem: str) -> None:
+        """Take a member that runs another transfer mode out of the pool."""
+        logger.error("%s; it leaves the pool", refusal([problem], self.config.transfer_mode, joining=True))
+        if backend.state is not InstanceState.DRAINING:
+            self.pools[backend.role].drain(backend.url)
+
     def mark_down(self, backend: Backend, error: str) -> None:
         """A leg could not reach `backend`: out of routing until a health check answers."""
         if backend.state is InstanceState.ACTIVE:
@@ -160,6 +190,11 @@ class PoolManager:
     async def _apply_check(self, backend: Backend, healthy: bool, error: str | None) -> None:
         if healthy:
             backend.health_failures = 0
+            if backend.info is None or backend.state is InstanceState.DOWN:  # new, or maybe restarted
+                problem = await self._learn(backend)
+                if problem is not None:
+                    self._refuse(backend, problem)
+                    return
             if backend.state is InstanceState.DOWN:
                 backend.state = InstanceState.ACTIVE
                 logger.info("%s instance %s answers again: back in the pool", backend.role, backend.url)
@@ -247,6 +282,13 @@ class PoolManager:
                                    "replay_endpoint": backend.events.replay_endpoint,
                                    "topic": backend.events.topic}
         return report
+
+
+async def check_instances(config: ProxyConfig) -> None:
+    """What `kvrelay proxy` asks before it serves: TransferModeError if an instance runs another
+    transfer mode (the app's start asks again, for those who build it themselves)."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        await PoolManager(config).learn_instances(client)
 
 
 def _say_no_events(urls: list[str]) -> None:

@@ -88,7 +88,11 @@ class DisaggProxy:
         timeout = httpx.Timeout(self.config.decode_timeout, connect=self.config.connect_timeout)
         # NOTE: no env proxies (trust_env=False): legs go straight to the loopback backends.
         self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
-        await self.manager.start(self._client)
+        try:
+            await self.manager.start(self._client)
+        except BaseException:  # an instance refused (another transfer mode): nothing is left open
+            await self.close()
+            raise
         urls = [b.url for b in self.manager.members()]
         if not await self.prompts.agrees_with(self._client, urls, self.headers("kvrelay-tokenizer-check"),
                                               self.config.health_timeout):

@@ -59,11 +59,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
 
     import uvicorn
 
     from kvrelay import env
+    from kvrelay.disagg.pool_manager import check_instances
     from kvrelay.disagg.proxy import ProxyConfig, build_app
 
     if args.prefill_timeout <= 0:
@@ -74,6 +76,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv),
                          prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
                          admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval)
+    asyncio.run(check_instances(config))  # another transfer mode: one line, exit 2
     app = build_app(config)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

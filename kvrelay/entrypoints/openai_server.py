@@ -259,7 +259,17 @@ class OpenAIServer:
         return {"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvrelay", "root": self.async_llm.model_name,
-            "max_model_len": self.async_llm.max_model_len}]}
+            "max_model_len": self.async_llm.max_model_len, "kv_transfer": self._kv_transfer()}]}
+
+    def _kv_transfer(self) -> dict[str, Any] | None:
+        """The connector that moves this instance's KV, for a proxy to check its own mode against
+        (kvrelay's field; vLLM's card has none). None without a connector."""
+        engine = self.async_llm.engine
+        config = engine.config.kv_transfer
+        if config is None or config.kv_connector is None:
+            return None
+        return {"kv_connector": config.kv_connector, "kv_role": config.kv_role,
+                "transfer_mode": engine.scheduler.connector.transfer_mode}
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt (special tokens added by default) or chat messages (the

@@ -72,6 +72,10 @@ class FakeBackend:
     headers: list[dict[str, str]] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     healthy: bool = True
+    # Its /v1/models card: a kvrelay instance's connector ({"kv_connector", "transfer_mode"}),
+    # and a context length; None: not said (as vLLM does not say the first).
+    kv_transfer: dict[str, Any] | None = None
+    max_model_len: int | None = None
 
     def kv_transfer_params(self, request_id: str) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
@@ -92,7 +96,12 @@ class FakeBackend:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            card: dict[str, Any] = {"id": "fake-model", "object": "model"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            if self.kv_transfer is not None:
+                card["kv_transfer"] = self.kv_transfer
+            return JSONResponse({"object": "list", "data": [card]})
 
         @app.get("/health")
         async def health() -> Response:
