@@ -126,6 +126,12 @@ class Scheduler:
             if report:
                 self._pending_outputs.append(self._make_output(req, [], [], params))
 
+    def release_refused(self, request: Request) -> None:
+        """A request refused before it was added (it cannot run here) is finished for the
+        connector alone, which may owe a remote instance a release (D: the prompt's KV P holds)."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.connector.request_finished(request, [])
+
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

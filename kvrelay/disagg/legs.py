@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import httpx
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvrelay.disagg.backends import Backend
 from kvrelay.disagg.routing.policies import Decision
@@ -65,11 +65,13 @@ def openai_error(status: int, message: str, param: str | None = None) -> JSONRes
 
 class Prefilled(NamedTuple):
     """What the prefill leg gave: D's kv_transfer_params (None: D prefills alone), P's answer
-    when it is already the final one, and the P whose KV the decode leg reads."""
+    when it is already the final one, the P whose KV the decode leg reads, and P's refusal of a
+    request the client got wrong (a 4xx: the client's answer, no decode leg)."""
 
     params: dict[str, Any] | None
     final_answer: dict[str, Any] | None = None
     source: Backend | None = None
+    refusal: Response | None = None
 
 
 @dataclass

@@ -23,8 +23,10 @@ client's n and its choices share the loaded KV through its prefix cache. A list 
 Both legs carry the same request id (body `request_id`, header `X-Request-Id`; `<id>-<k>` for
 prompt k of a list). When the prefill leg cannot help (no P, P down, slow, erroring, or
 answering without kv_transfer_params) the client's body goes to D alone and D prefills locally:
-a fallback, counted in /metrics by reason. A decode leg that cannot connect is sent to another
-D. A client that disconnects closes the decode leg, which aborts the request on D.
+a fallback, counted in /metrics by reason. What the client got wrong is not a fallback: P's 4xx
+for it is the client's answer, and a max_tokens D's context cannot hold is refused before P
+computes (client_errors.py). A decode leg that cannot connect is sent to another D. A client
+that disconnects closes the decode leg, which aborts the request on D.
 
 The field names are vLLM's, so the proxy also fronts vLLM instances.
 """
@@ -47,6 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvrelay.disagg import prefill_answer, prompt_list, proxy_lists
 from kvrelay.disagg.admin import AdminAPI, add_admin_routes
 from kvrelay.disagg.backends import Backend, NoInstanceError
+from kvrelay.disagg.client_errors import context_refusal, is_client_error, passed_on
 from kvrelay.disagg.legs import (
     PREFILL_KV_TRANSFER_PARAMS,
     REQUEST_ID_HEADER,
@@ -148,7 +151,12 @@ class DisaggProxy:
                                                    client_headers)
         headers = self.headers(request_id, client_headers)
         prompt = await self.read_prompt(route, body)
+        unfit = self.refuse_unfit(route, body, prompt)
+        if unfit is not None:
+            return unfit
         prefilled = await self.prefill_or_push(route, body, request_id, headers, prompt)
+        if prefilled.refusal is not None:
+            return prefilled.refusal
         if prefilled.final_answer is not None:
             return self._answer_from_prefill(route, body, prefilled.final_answer, request_id)
         if await request.is_disconnected():
@@ -156,6 +164,18 @@ class DisaggProxy:
             return Response(status_code=499)
         return await self._decode(route, decode_body(body, request_id, prefilled.params), request_id,
                                   headers, prompt, prefilled.source)
+
+    def refuse_unfit(self, route: str, body: dict[str, Any], prompt: PromptBlocks) -> Response | None:
+        """D's refusal of a prompt and max_tokens its context cannot hold, before P computes
+        (client_errors.py); where the proxy cannot tell, D refuses, releasing P's KV at once."""
+        error = context_refusal(route, body, prompt.token_ids, self.decode.candidates())
+        if error is None:
+            return None
+        self.count_client_error("proxy", error.status)
+        return openai_error(error.status, error.message, error.param)
+
+    def count_client_error(self, by: str, status: int) -> None:
+        self.metrics.client_errors.labels(by=by, status=str(status)).inc()
 
     def _answer_from_prefill(self, route: str, body: dict[str, Any], answer: dict[str, Any],
                              request_id: str) -> Response:
@@ -196,6 +216,9 @@ class DisaggProxy:
                     self.client.post(backend.url + route, json=leg, headers=headers),
                     timeout=self.config.prefill_timeout)
             outcome = "ok" if response.status_code == 200 else f"http_{response.status_code}"
+            if is_client_error(response):  # D, sent the same body, answers the client with it
+                outcome = "client_error"
+                self.count_client_error("prefill", response.status_code)
         except (TimeoutError, httpx.TimeoutException):
             outcome = "timeout"
         except httpx.TransportError:
@@ -204,8 +227,8 @@ class DisaggProxy:
             self.prefill.end_leg(decision)
             self.manager.reap()
         self.metrics.legs.labels(leg="prefill", backend=backend.url,
-                                 outcome="ok" if outcome == "ok" else "fallback").inc()
-        if outcome != "ok":
+                                 outcome=outcome if outcome in ("ok", "client_error") else "fallback").inc()
+        if outcome not in ("ok", "client_error"):
             self.metrics.fallbacks.labels(reason=outcome).inc()
             logger.warning("request %s: push prefill leg to %s gave %s; D prefills alone once it sees "
                            "no progress", request_id, backend.url, outcome)
@@ -221,7 +244,7 @@ class DisaggProxy:
             index.expect(backend.url, request_id, prompt)
         try:
             with self.metrics.prefill_seconds.time():
-                outcome, answer = await self._post_prefill(backend, route, body, request_id, headers)
+                outcome, answer, refusal = await self._post_prefill(backend, route, body, request_id, headers)
         finally:
             self.prefill.end_leg(decision)
         prompt_tokens, cached = _usage_tokens(answer)
@@ -233,6 +256,12 @@ class DisaggProxy:
             actual = index.whole_blocks(backend.url, cached)
             self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, actual)
         self.manager.reap()
+        if refusal is not None:
+            self.metrics.legs.labels(leg="prefill", backend=backend.url, outcome="client_error").inc()
+            self.count_client_error("prefill", refusal.status_code)
+            logger.info("request %s: prefill instance %s refused it with %d: the client's answer, no decode "
+                        "leg", request_id, backend.url, refusal.status_code)
+            return Prefilled(None, refusal=refusal)
         return self._prefill_result(backend, outcome, answer, body, request_id)
 
     def _prefill_result(self, backend: Backend, outcome: str, answer: dict[str, Any] | None,
@@ -255,25 +284,28 @@ class DisaggProxy:
         return Prefilled(params, source=backend)
 
     async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
-                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
-        """(outcome, P's answer): the answer is None unless P answered 200 with a JSON object."""
+                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None, Response | None]:
+        """(outcome, P's answer, P's refusal): the answer is None unless P answered 200 with a
+        JSON object; the refusal is P's answer to a client error, passed on as it is."""
         try:
             response = await asyncio.wait_for(
                 self.client.post(backend.url + route, json=prefill_body(body, request_id), headers=headers),
                 timeout=self.config.prefill_timeout)
         except (TimeoutError, httpx.TimeoutException):
-            return "timeout", None
+            return "timeout", None, None
         except httpx.TransportError as e:
             if isinstance(e, httpx.ConnectError):
                 self.manager.mark_down(backend, repr(e))
-            return "unreachable", None
+            return "unreachable", None, None
+        if is_client_error(response):
+            return "client_error", None, passed_on(response, request_id)
         if response.status_code != 200:
-            return f"http_{response.status_code}", None
+            return f"http_{response.status_code}", None, None
         try:
             answer = response.json()
         except ValueError:
-            return "bad_response", None
-        return ("ok", answer) if isinstance(answer, dict) else ("bad_response", None)
+            return "bad_response", None, None
+        return ("ok", answer, None) if isinstance(answer, dict) else ("bad_response", None, None)
 
     # ------------------------------------------------------------------ decode leg
 
@@ -315,13 +347,11 @@ class DisaggProxy:
     async def _refused(self, leg: DecodeLeg, request_id: str) -> Response:
         upstream = leg.upstream
         try:
-            content = await upstream.aread()
+            await upstream.aread()
         finally:
             await self.close_leg(leg, "error")
         self.metrics.errors.labels(kind=f"decode_http_{upstream.status_code}").inc()
-        return Response(content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type", "application/json"),
-                        headers={REQUEST_ID_HEADER: request_id})
+        return passed_on(upstream, request_id)
 
     async def _decode(self, route: str, body: dict[str, Any], request_id: str, headers: dict[str, str],
                       prompt: PromptBlocks, source: Backend | None) -> Response:

@@ -83,6 +83,12 @@ class _Abort:
     stream: _Stream
 
 
+@dataclass
+class _Release:
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any]
+
+
 class _Stop:
     pass
 
@@ -94,7 +100,7 @@ class AsyncLLM:
         self.engine = engine
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Release | _Stop] = queue.Queue()
         self._open: dict[str, _Stream] = {}  # loop thread only: requests in flight, by id
         self._listeners: list[StatsListener] = []
         self._stats: dict[str, Any] = engine.get_stats()
@@ -145,6 +151,12 @@ class AsyncLLM:
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate_prompt(token_ids)
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def release_remote_kv(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any]) -> None:
+        """A request refused before it reached the engine frees the KV a prefill instance holds
+        for it (LLMEngine.release_remote_kv, on the engine thread). Nothing when the engine is gone."""
+        if self.is_alive:
+            self._commands.put(_Release(list(prompt_token_ids), dict(kv_transfer_params)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (its stream then ends with finish_reason "abort")."""
@@ -237,7 +249,10 @@ class AsyncLLM:
         self._publish_stats()  # admissions and aborts change the counts even without a step
         return True
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: _Add | _Abort | _Release) -> None:
+        if isinstance(command, _Release):
+            self.engine.release_remote_kv(command.prompt_token_ids, command.kv_transfer_params)
+            return
         stream = command.stream
         if isinstance(command, _Abort):
             if stream.engine_id is not None and stream.engine_id in self._routes:

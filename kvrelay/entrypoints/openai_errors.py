@@ -40,6 +40,23 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def context_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str,
+                  max_param: str = "max_tokens") -> APIError | None:
+    """vLLM's refusal (and wording) of a prompt that leaves no room for one output token, or of a
+    `max_tokens` the context cannot hold after the prompt; None when it fits. `kvrelay serve`
+    refuses with it, and the proxy before the prefill leg (D would refuse after P computed)."""
+    if num_prompt_tokens >= max_model_len:
+        return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
+                             f"your request has {num_prompt_tokens} input tokens. Please reduce the length "
+                             f"of the input {param}.", param)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        return APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                             f"model's maximum context length is {max_model_len} tokens and your request has "
+                             f"{num_prompt_tokens} input tokens ({max_tokens} > {max_model_len} - "
+                             f"{num_prompt_tokens}).", max_param)
+    return None
+
+
 async def read_json_object(request: Request) -> dict[str, Any]:
     """The request's body as a JSON object; APIError 400 (param "body") otherwise."""
     raw = await request.body()

@@ -29,7 +29,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -37,9 +38,15 @@ from fastapi.responses import JSONResponse, Response
 
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM
-from kvrelay.entrypoints.openai_errors import APIError, add_error_handlers, error_body, read_json_object
+from kvrelay.entrypoints.openai_errors import (
+    APIError,
+    add_error_handlers,
+    context_error,
+    error_body,
+    read_json_object,
+)
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
-from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
+from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt, request_prompt_token_ids
 from kvrelay.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -101,11 +108,13 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
-        req = _parse(CompletionRequest, await read_json_object(request))
-        self.check_model(req.model)
-        params = _to_sampling_params(req)
-        prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
-                                req.truncate_prompt_tokens) for p in req.prompts()]
+        body = await read_json_object(request)
+        with self._refusal_releases_remote_kv("/v1/completions", body):
+            req = _parse(CompletionRequest, body)
+            self.check_model(req.model)
+            params = _to_sampling_params(req)
+            prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
+                                    req.truncate_prompt_tokens) for p in req.prompts()]
         if len(prompts) > 1 and req.kv_transfer_params is not None:
             raise APIError(400, f"kv_transfer_params with a list of {len(prompts)} prompts: each prompt "
                                 "needs its own, so send one prompt per request (the kvrelay proxy splits "
@@ -119,17 +128,36 @@ class OpenAIServer:
         return await self._generate(request, req, prompts, params, ctx)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await read_json_object(request))
-        self.check_model(req.model)
-        params = _to_sampling_params(req)
-        text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt), "messages")
-        max_tokens, max_param = req.max_tokens_param
-        prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens,
-                              req.truncate_prompt_tokens)
+        body = await read_json_object(request)
+        with self._refusal_releases_remote_kv("/v1/chat/completions", body):
+            req = _parse(ChatCompletionRequest, body)
+            self.check_model(req.model)
+            params = _to_sampling_params(req)
+            text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt),
+                                "messages")
+            max_tokens, max_param = req.max_tokens_param
+            prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens,
+                                  req.truncate_prompt_tokens)
         ctx = ResponseContext("chat", self.served_model_name, params.logprobs if req.logprobs else None,
                               req.include_usage_in_stream, req.continuous_usage_in_stream, params.n,
                               [req.echo_text()])
         return await self._generate(request, req, [prompt], params, ctx)
+
+    @contextmanager
+    def _refusal_releases_remote_kv(self, route: str, body: dict[str, Any]) -> Iterator[None]:
+        """A request refused here (4xx) whose kv_transfer_params say a prefill instance computed
+        its prompt for this one still releases that KV at once, through the connector (as for a
+        request aborted before its admission), rather than leaving it held until P's lease ends.
+        The params bind the prompt's tokens: without them (an unparsable body) nothing is released."""
+        try:
+            yield
+        except APIError as e:
+            params = body.get("kv_transfer_params")
+            if e.status < 500 and isinstance(params, dict) and params.get("do_remote_prefill"):
+                token_ids = request_prompt_token_ids(self.async_llm.engine.tokenizer, route, body)
+                if token_ids:
+                    self.async_llm.release_remote_kv(token_ids, params)
+            raise
 
     def _render_chat(self, messages: list[Any], add_generation_prompt: bool) -> str:
         return chat_prompt_text(self.async_llm.engine.tokenizer, messages, add_generation_prompt)
@@ -150,15 +178,9 @@ class OpenAIServer:
             keep = fits if truncate == -1 else truncate
             token_ids = token_ids[-keep:] if keep > 0 else []
             prompt = token_ids  # the text no longer matches the tokens
-        used = len(token_ids)
-        if used >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                                f"request has {used} input tokens. Please reduce the length of the input "
-                                f"{param}.", param)
-        if max_tokens is not None and used + max_tokens > limit:
-            raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
-                                f"This model's maximum context length is {limit} tokens and your request "
-                                f"has {used} input tokens ({max_tokens} > {limit} - {used}).", max_param)
+        error = context_error(len(token_ids), max_tokens, limit, param, max_param)
+        if error is not None:
+            raise error
         _field_error(lambda: self.async_llm.engine.validate_prompt(token_ids), param)
         return {"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": token_ids}
 

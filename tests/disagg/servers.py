@@ -58,12 +58,15 @@ def closed_port_url() -> str:
 class FakeBackend:
     """A P or D that records what it receives and answers as told.
 
-    mode: "ok" | "error" (500) | "bad_request" (400, OpenAI error body) | "slow" (sleeps
-    `delay` before answering) | "no_params" (P answers without kv_transfer_params).
+    mode: "ok" | "error" (500) | "bad_request" (`error_status`, 400 by default, an OpenAI error
+    body naming `error_param`) | "slow" (sleeps `delay` before answering) | "no_params" (P
+    answers without kv_transfer_params).
     """
 
     name: str
     mode: str = "ok"
+    error_status: int = 400
+    error_param: str = "temperature"
     delay: float = 0.0
     chunk_delay: float = 0.0
     answered: int = 0  # requests answered (after `delay`)
@@ -113,9 +116,9 @@ class FakeBackend:
         if self.mode == "error":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "bad_request":
-            return JSONResponse({"error": {"message": "temperature must be >= 0, got -1",
-                                           "type": "BadRequestError", "param": "temperature",
-                                           "code": 400}}, status_code=400)
+            return JSONResponse({"error": {"message": f"{self.error_param} is wrong in {self.name}",
+                                           "type": "BadRequestError", "param": self.error_param,
+                                           "code": self.error_status}}, status_code=self.error_status)
         if self.delay:
             await asyncio.sleep(self.delay)
         self.answered += 1  # past the delay: what a test asks to tell "still busy" from "done"

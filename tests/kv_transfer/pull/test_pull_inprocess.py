@@ -83,6 +83,17 @@ def test_abort_before_admission_releases_p_blocks(make_pd) -> None:
     assert _lease_expired(pd.p) == 0
 
 
+def test_a_request_d_refuses_before_queueing_still_releases_p_blocks(make_pd) -> None:
+    pd = make_pd()
+    tokens = prompt(2 * BLOCK_SIZE + 1, salt=10)
+    params = pd.prefill(tokens, "p-refused")
+    assert params is not None and pd.p.blocks_in_use > 0
+    pd.d.release_remote_kv(tokens, params)  # what `kvrelay serve` does when it refuses the request
+    pd.settle(timeout_s=10)  # far less than the 30 s lease
+    assert pd.p.blocks_in_use == 0 and _lease_expired(pd.p) == 0
+    assert pd.d.blocks_in_use == 0 and not pd.d.scheduler.requests
+
+
 def test_abort_while_handshaking_releases_p_blocks(make_pd) -> None:
     pd = make_pd()
     tokens = prompt(2 * BLOCK_SIZE + 1, salt=8)
