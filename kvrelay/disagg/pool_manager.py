@@ -141,7 +141,8 @@ class PoolManager:
     async def learn_instances(self, client: httpx.AsyncClient | None = None) -> None:
         """Ask every member what it runs. TransferModeError naming each one that runs another
         transfer mode than this proxy; one that does not answer is asked again when it does."""
-        problems = [p for b in self.members() if (p := await self._learn(b, client)) is not None]
+        answers = await asyncio.gather(*(self._learn(b, client) for b in self.members()))
+        problems = [problem for problem in answers if problem is not None]
         if problems:
             raise TransferModeError(refusal(problems, self.config.transfer_mode))
 
