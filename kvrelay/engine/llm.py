@@ -92,12 +92,10 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         The template writes the model's special tokens itself, so encoding adds none (as the
         server's chat route and vLLM do)."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        conversations = cast(list[list[dict[str, str]]],
+                             messages if messages and isinstance(messages[0], list) else [messages])
+        prompts: list[PromptType] = [chat_prompt(self.tokenizer, conv, add_generation_prompt)
+                                     for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
@@ -139,6 +137,14 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> dict[str, Any]:
+    """One conversation as the model's chat template renders it, with its token ids. The template
+    writes the special tokens itself, so encoding adds none (as the server and vLLM do)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _bytes_or_none(size: int | str | None) -> int | None:
