@@ -47,6 +47,7 @@ from kvrelay.disagg.connector_plans import (
 )
 from kvrelay.disagg.placement import Placement, plan_devices, startup_waves, visible_gpus
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY
+from kvrelay.utils import busy_port_error
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.path_choice import PathChoice
@@ -163,12 +164,9 @@ def free_port_run(host: str, count: int, attempts: int = 50) -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ClusterError(f"port {port} on {host} is not free ({e.strerror}); "
-                               "pass another --port (0 picks a free one)") from None
+    problem = busy_port_error(host, port)
+    if problem is not None:
+        raise ClusterError(problem)
 
 
 def _die_with_parent() -> None:

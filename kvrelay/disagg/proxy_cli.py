@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
+from kvrelay.utils import busy_port_error
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +69,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     if args.prefill_timeout <= 0:
         raise ValueError(f"--prefill-timeout must be > 0, got {args.prefill_timeout}")
+    busy = busy_port_error(args.host, args.port)  # before the tokenizer loads (kv-aware routing)
+    if busy is not None:
+        raise ValueError(busy)
     prefill_routing, decode_routing = routing_of(args)
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
                          api_key=args.api_key, prefill_timeout=args.prefill_timeout,

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvrelay.config import EngineConfig
 from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
+from kvrelay.utils import busy_port_error
 
 logger = logging.getLogger("kvrelay.serve")
 
@@ -46,6 +47,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()  # bad flags fail here, before the model loads
+    busy = busy_port_error(args.host, args.port)  # and a busy port, as `kvrelay up` checks its own
+    if busy is not None:
+        raise ValueError(busy)
     engine_args.set_torch_threads()
 
     from kvrelay import env

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -39,3 +41,25 @@ def test_help_lists_every_command_and_version_prints_kvrelays() -> None:
     assert "later" not in done.stdout
     version = run_cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == kvrelay.__version__
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [
+    # A model that does not exist: the port must be checked before the model is looked at.
+    ("serve", "/no/such/model.gguf"),
+    ("proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--routing", "kv-aware",
+     "--model", "/no/such/model.gguf"),
+])
+def test_a_busy_port_fails_before_anything_loads_with_status_2_naming_it(command: tuple[str, ...],
+                                                                          busy_port: int) -> None:
+    done = run_cli(*command, "--port", str(busy_port))
+    assert done.returncode == 2, done.stderr
+    assert f"port {busy_port} on 127.0.0.1 is not free" in done.stderr and "--port" in done.stderr
+    assert "no/such" not in done.stderr and "Traceback" not in done.stderr
