@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 from kvrelay.utils import busy_port_error
@@ -36,7 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="API key the backends require (sent as Bearer)")
+    p.add_argument("--api-key", default=None,
+                   help="API key the backends require, sent as Bearer (default: env KVRELAY_API_KEY, which "
+                        "clients must then send too, as to `kvrelay serve`; /health and /metrics stay open)")
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="seconds before a prefill leg is given up and D prefills alone (default 60)")
     p.add_argument("--transfer-mode", choices=("pull", "push"), default="pull",
@@ -73,12 +76,16 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     if busy is not None:
         raise ValueError(busy)
     prefill_routing, decode_routing = routing_of(args)
+    client_key = env.api_key()
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
-                         api_key=args.api_key, prefill_timeout=args.prefill_timeout,
+                         api_key=args.api_key or client_key, prefill_timeout=args.prefill_timeout,
                          transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv),
                          prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
                          admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval)
-    app = build_app(config)
+    app: Any = build_app(config)
+    if client_key is not None:
+        from kvrelay.entrypoints.auth import RequireAPIKey
+        app = RequireAPIKey(app, client_key)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {' '.join(args.prefill)}  "

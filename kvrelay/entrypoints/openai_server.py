@@ -14,7 +14,8 @@ Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Bad
 a 4xx naming the field (never a 500), and the server keeps serving:
     400 invalid JSON, wrong types, out-of-range values, prompt or max_tokens beyond the context,
         fields kvrelay does not implement, bad kv_transfer_params
-    401 missing or wrong `Authorization: Bearer <key>` (every route but /health, when a key is set)
+    401 missing or wrong `Authorization: Bearer <key>` (every route but /health and /metrics, when a
+        key is set: kvrelay.entrypoints.auth)
     404 unknown model or route
     500 the engine failed the request; 503 the engine thread is gone (/health says so too)
 
@@ -39,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM
+from kvrelay.entrypoints.auth import api_key_error
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
 from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
 from kvrelay.entrypoints.protocol import (
@@ -102,12 +104,9 @@ class OpenAIServer:
         # (non-daemon) thread would hold the process open for seconds after shutdown.
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
-            raise APIError(401, "incorrect API key in the Authorization header")
+        problem = api_key_error(request.headers.get("authorization", ""), self.api_key)
+        if problem is not None:
+            raise APIError(401, problem)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -372,7 +371,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def version() -> dict[str, str]:
         return {"version": kvrelay.__version__}
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics")  # open, as vLLM's: Prometheus scrapes without the key (entrypoints/auth.py)
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
