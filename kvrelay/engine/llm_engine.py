@@ -219,6 +219,19 @@ class LLMEngine:
                                    f"{timeout_s:.0f} s: {self.scheduler.stats.as_dict()}")
             self.step()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
+        """vLLM's reset: forget every cached prefix; False while blocks are held (see
+        Scheduler.reset_prefix_cache). `reset_external`: the connector's own cache too (a
+        connector that keeps none, or cannot reset it, counts as done, as in vLLM)."""
+        reset = self.scheduler.reset_prefix_cache(reset_running_requests)
+        if reset_external:
+            external = self.scheduler.connector.reset_cache()
+            if external is None:
+                logger.info("reset_prefix_cache: the KV connector keeps no cache it can reset")
+            reset = reset and external is not False
+        logger.info("reset_prefix_cache: %s", "done" if reset else "refused: blocks are still in use")
+        return reset
+
     def shutdown(self) -> None:
         """Stop the workers and the connectors' threads and transports. Idempotent; the engine is
         unusable after."""

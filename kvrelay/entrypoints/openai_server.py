@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE ending in
 `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health,
 GET /metrics, GET /kv_events (where this instance publishes its KV cache events, for a router),
-and FastAPI's GET /openapi.json and /docs.
+POST /reset_prefix_cache (vLLM's), and FastAPI's GET /openapi.json and /docs.
 
 Parallel sampling (`n`) and prompt lists: a list in /v1/completions becomes one engine request
 per prompt (ids `<id>-<k>`), each with n choices; choice j of prompt k has index k * n + j, and
@@ -375,6 +375,17 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache(reset_running_requests: bool = False,
+                                 reset_external: bool = False) -> dict[str, bool]:
+        """vLLM's route and answer: forget every cached prefix; `success` is false while blocks
+        are held (requests running, KV held for a peer); retry, or reset_running_requests=true
+        (they are preempted and recomputed). reset_external=true: the connector's cache too."""
+        server.check_alive()
+        success = await server.async_llm.call(
+            lambda engine: engine.reset_prefix_cache(reset_running_requests, reset_external))
+        return {"success": bool(success)}
 
     @app.get("/kv_events", dependencies=auth)
     async def kv_events() -> dict[str, Any]:

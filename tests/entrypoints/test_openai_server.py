@@ -226,6 +226,21 @@ def test_metrics_expose_every_name_and_settle_to_zero_blocks(client, server):
     assert m["kvrelay_inter_token_latency_seconds_count"] >= 1
 
 
+def test_reset_prefix_cache_is_vllms_route_and_forgets_cached_prefixes(client, server):
+    prompt = " ".join(f"t{i}" for i in range(80, 93))  # three full blocks of 4 and one token
+    cached = []
+    for reset_between in (False, True):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        wait_settled(server.url)
+        if reset_between:
+            answer = post(server.url, "/reset_prefix_cache?reset_external=true", None)
+            assert answer.status_code == 200 and answer.json() == {"success": True}
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        cached.append(again.usage.prompt_tokens_details.cached_tokens)
+        wait_settled(server.url)
+    assert cached[0] >= 12 and cached[1] == 0
+
+
 # ----------------------------------------------------------------------------------- bad input
 BAD_REQUESTS = [
     # (route, body, status, words the message must contain, param)
