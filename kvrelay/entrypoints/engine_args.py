@@ -75,7 +75,9 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The engine's configuration. A bad value raises ValueError naming its flag and the value,
-        before anything is loaded."""
+        and a model that cannot be found FileNotFoundError, before anything is loaded."""
+        from kvrelay.model.source import resolve_model_path
+        resolve_model_path(self.model)
         with _naming_the_flag():
             if self.threads is not None and self.threads < 1:
                 raise ValueError(f"threads must be >= 1, got {self.threads}")

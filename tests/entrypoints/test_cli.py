@@ -52,8 +52,8 @@ def busy_port() -> Iterator[int]:
 
 
 @pytest.mark.parametrize("command", [
-    # A model that does not exist: the port must be checked before the model is looked at.
-    ("serve", "/no/such/model.gguf"),
+    ("serve",),  # the default model: seconds to load before the port was checked
+    # A model that does not exist: the port must be checked before the tokenizer is looked at.
     ("proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--routing", "kv-aware",
      "--model", "/no/such/model.gguf"),
 ])

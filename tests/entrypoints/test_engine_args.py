@@ -214,8 +214,8 @@ def test_up_places_its_instances_before_starting_anything(one_gpu: None, monkeyp
     finally:
         signal.signal(signal.SIGTERM, previous)
     out = capsys.readouterr().out
-    assert "prefill-0  on GPU 0, gpu-memory-utilization 0.4" in out
-    assert "decode-0   on GPU 0, gpu-memory-utilization 0.4" in out
+    assert "prefill-0    on GPU 0, gpu-memory-utilization 0.4" in out
+    assert "decode-0     on GPU 0, gpu-memory-utilization 0.4" in out
 
 
 def test_a_cuda_device_this_machine_lacks_is_refused_at_start_without_a_traceback() -> None:
