@@ -99,6 +99,7 @@ class ClusterSpec:
     # The key clients must send (as to `kvrelay serve --api-key`): the proxy and every instance
     # require it, given to them in the environment (KVRELAY_API_KEY), never in argv.
     api_key: str | None = field(default=None, repr=False)
+    chat_template: str | None = None  # --chat-template as given (also in serve_args): the proxy's too
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
@@ -280,21 +281,27 @@ class LocalCluster:
             for child in starting:
                 child.start()
             self._wait_healthy(starting)
-        proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
-                      "--host", spec.host, "--port", str(self.port),
-                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode),
-                      "--prefill-routing", spec.prefill_routing, "--decode-routing", spec.decode_routing]
-        if spec.model and "kv-aware" in (spec.prefill_routing, spec.decode_routing):
-            proxy_argv += ["--model", spec.model]  # its tokenizer hashes prompts
-        if plan.transfer_mode == "push":
-            proxy_argv += ["--transfer-mode", "push",
-                           "--prefill-kv", *(self.kv_addresses[c.name] for c in self.prefill)]
         # NOTE: the admin key travels in the environment, never in argv (ps shows argv).
         env = {**self._api_key_env(), **({KV_ADMIN_ENV: spec.admin_key} if spec.admin_key else {})}
-        proxy = ChildProcess("proxy", proxy_argv, self.url, self._log_dir / "proxy.log", env)
+        push_to = [self.kv_addresses[c.name] for c in self.prefill] if plan.transfer_mode == "push" else None
+        argv = self.proxy_argv([c.url for c in self.prefill], [c.url for c in self.decode], push_to)
+        proxy = ChildProcess("proxy", argv, self.url, self._log_dir / "proxy.log", env)
         self.children.append(proxy)
         proxy.start()
         self._wait_healthy([proxy])
+
+    def proxy_argv(self, prefill: list[str], decode: list[str], push_to: list[str] | None) -> list[str]:
+        """The proxy's `kvrelay proxy` command line; `push_to`: push mode, P's side channels."""
+        spec = self.spec
+        argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy", "--host", spec.host,
+                "--port", str(self.port), "--prefill", *prefill, "--decode", *decode,
+                "--prefill-routing", spec.prefill_routing, "--decode-routing", spec.decode_routing]
+        if "kv-aware" in (spec.prefill_routing, spec.decode_routing):  # its tokenizer hashes prompts
+            argv += ["--model", spec.model] if spec.model else []
+            argv += ["--chat-template", spec.chat_template] if spec.chat_template else []
+        if push_to is not None:
+            argv += ["--transfer-mode", "push", "--prefill-kv", *push_to]
+        return argv
 
     def _instance(self, placement: Placement, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
         """One `kvrelay serve` child: its own HTTP port, kv_port, engine id, device and (once the

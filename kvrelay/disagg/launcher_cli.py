@@ -108,7 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        decode_tp=args.decode_tp, kv_backend=args.kv_backend, device=engine_args.device,
                        gpu_memory_utilization=engine_args.gpu_memory_utilization,
                        prefill_routing=prefill_routing, decode_routing=decode_routing, admin_key=admin_key,
-                       api_key=args.api_key or env.api_key())
+                       api_key=args.api_key or env.api_key(), chat_template=args.chat_template)
     cluster = LocalCluster(spec)  # where each instance runs, or ValueError: nothing has started yet
 
     def on_sigterm(signum: int, frame: Any) -> None:

@@ -52,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--model", default=None,
                    help="kv-aware routing: the model whose tokenizer hashes prompts, as given to "
                         "`kvrelay serve` (default: serve's default model); no weights are loaded")
+    p.add_argument("--chat-template", default=None,
+                   help="kv-aware routing: the --chat-template the instances run (a file, or the template), "
+                        "so the proxy renders chat prompts as they do")
     p.add_argument("--admin-key", default=None,
                    help="turn the admin API on (/admin/instances: add and drain instances) with this key "
                         "(default: env KVRELAY_ADMIN_KEY; unset: the admin API is off)")
@@ -77,10 +80,12 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         raise ValueError(busy)
     prefill_routing, decode_routing = routing_of(args)
     client_key = env.api_key()
+    tokenizer = _tokenizer_with_template(args.model, args.chat_template) if args.chat_template else None
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
                          api_key=args.api_key or client_key, prefill_timeout=args.prefill_timeout,
                          transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv),
                          prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
+                         tokenizer=tokenizer,
                          admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval)
     app: Any = build_app(config)
     if client_key is not None:
@@ -93,3 +98,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
           f"{'  admin API on' if config.admin_key else ''}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
+
+
+def _tokenizer_with_template(model: str | None, chat_template: str) -> Any:
+    """The model's tokenizer rendering chats with `chat_template` (as `serve --chat-template`)."""
+    from kvrelay.entrypoints.engine_args import EngineArgs
+    from kvrelay.model.loader import load_tokenizer
+
+    template = EngineArgs(chat_template=chat_template).chat_template_text()
+    assert template is not None
+    tokenizer = load_tokenizer(model)
+    tokenizer.set_chat_template(template)
+    return tokenizer

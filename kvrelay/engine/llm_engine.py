@@ -48,6 +48,8 @@ class LLMEngine:
         # The spec of the model one rank runs: its KV heads size the blocks and the connectors.
         self.rank_spec = shard_spec(self.spec, shard_layout(self.spec, 0, tp_size))
         self.tokenizer = loaded.tokenizer
+        if mcfg.chat_template is not None:  # before the stop ids below: its end-of-turn token stops
+            self.tokenizer.set_chat_template(mcfg.chat_template)
         self.model_name = mcfg.served_model_name or loaded.name
         # Format, fp8 scales and compatibility fingerprint, from the whole (unsharded) model.
         self.kv = build_kv_setup(config, self.spec, loaded.weights, torch_dtype(config.model.dtype),

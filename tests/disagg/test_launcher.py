@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -224,3 +225,23 @@ def test_the_banner_shows_connector_transport_offload_tiers_and_routing() -> Non
     plain = "\n".join(banner(LocalCluster(ClusterSpec(connector="ExampleConnector", device="cpu"))))
     assert "ExampleConnector (P writes each prompt's KV to a shared directory" in plain
     assert "transport" not in plain and "offload      off" in plain
+
+
+def test_up_passes_its_chat_template_to_the_instances_and_to_the_kv_aware_proxy(tmp_path: Path) -> None:
+    from kvrelay.disagg.proxy_cli import _tokenizer_with_template
+    from kvrelay.entrypoints.cli import build_parser
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}t9 {{ m['content'] }} {% endfor %}t8")
+    args = build_parser().parse_args(["up", "--chat-template", str(template), "--device", "cpu"])
+    assert args.chat_template == str(template)
+    spec = ClusterSpec(model="/m", device="cpu", chat_template=str(template),
+                       serve_args=("--chat-template", str(template)))
+    argv = LocalCluster(spec).proxy_argv(["http://p"], ["http://d"], None)
+    assert argv[argv.index("--chat-template") + 1] == str(template)
+    assert argv[argv.index("--model") + 1] == "/m"
+    by_load = LocalCluster(dataclasses.replace(spec, prefill_routing="round-robin",
+                                               decode_routing="round-robin"))
+    assert "--chat-template" not in by_load.proxy_argv(["http://p"], ["http://d"], None)
+    tokenizer = _tokenizer_with_template(str(write_tiny_model_dir(tmp_path / "model")), str(template))
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "t5"}]) == "t9 t5 t8"
