@@ -309,6 +309,15 @@ class OpenAIServer:
                 raise APIError(400, f"tokens[{i}]={tok} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.async_llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> dict[str, bool]:
+        """vLLM's route and answer: forget every cached prefix; `success` is false while blocks
+        are held (requests running, KV held for a peer); retry, or reset_running_requests=true
+        (they are preempted and recomputed). reset_external=true: the connector's cache too."""
+        self.check_alive()
+        success = await self.async_llm.call(
+            lambda engine: engine.reset_prefix_cache(reset_running_requests, reset_external))
+        return {"success": bool(success)}
+
     def kv_events(self) -> dict[str, Any]:
         """Where this instance publishes KV events (docs/routing.md): a router subscribes there.
         A wildcard host (tcp://*:5557) means "this instance's host"."""
@@ -371,6 +380,13 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def version() -> dict[str, str]:
         return {"version": kvrelay.__version__}
 
+    _add_instance_routes(app, server, auth)
+    return app
+
+
+def _add_instance_routes(app: FastAPI, server: OpenAIServer, auth: list[Any]) -> None:
+    """What operators and routers ask of the instance: metrics, KV events, its cache, health."""
+
     @app.get("/metrics")  # open, as vLLM's: Prometheus scrapes without the key (entrypoints/auth.py)
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
@@ -379,13 +395,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     @app.post("/reset_prefix_cache", dependencies=auth)
     async def reset_prefix_cache(reset_running_requests: bool = False,
                                  reset_external: bool = False) -> dict[str, bool]:
-        """vLLM's route and answer: forget every cached prefix; `success` is false while blocks
-        are held (requests running, KV held for a peer); retry, or reset_running_requests=true
-        (they are preempted and recomputed). reset_external=true: the connector's cache too."""
-        server.check_alive()
-        success = await server.async_llm.call(
-            lambda engine: engine.reset_prefix_cache(reset_running_requests, reset_external))
-        return {"success": bool(success)}
+        return await server.reset_prefix_cache(reset_running_requests, reset_external)
 
     @app.get("/kv_events", dependencies=auth)
     async def kv_events() -> dict[str, Any]:
@@ -394,8 +404,6 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     @app.get("/health")
     async def health() -> JSONResponse:
         return server.health()
-
-    return app
 
 
 # --------------------------------------------------------------------------------- helpers

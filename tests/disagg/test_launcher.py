@@ -34,7 +34,7 @@ from kvrelay.disagg.launcher import (
     stop_children,
 )
 from kvrelay.kv_transfer.config import KVTransferConfig
-from tests.tiny import write_tiny_model_dir
+from tests.tiny import tiny_tokenizer
 
 
 def test_example_plan_shares_one_fresh_directory_between_p_and_d(tmp_path: Path) -> None:
@@ -172,26 +172,27 @@ def test_a_child_that_fails_to_start_is_reported_with_its_log_which_is_kept(
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_directory_of_a_launcher_killed_with_sigkill_goes_at_the_next_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    model_dir = write_tiny_model_dir(tmp_path / "model")
-    up = subprocess.Popen([sys.executable, "-m", "kvrelay.entrypoints.cli", "up", str(model_dir),
-                           "--port", "0", "--threads-per-instance", "1", "--kv-cache-memory", "4MiB"],
-                          env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+    # A launcher that made its directory as LocalCluster.start does, then was killed outright.
+    launcher = subprocess.Popen([sys.executable, "-c", "import time\nfrom kvrelay.disagg.workdir import "
+                                 "make_workdir\nmake_workdir()\ntime.sleep(120)"],
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 60
-        while not list(tmp_path.glob(f"{workdir.PREFIX}*/logs/decode-0.log")):  # the children run
-            assert time.monotonic() < deadline and up.poll() is None
+        while not list(tmp_path.glob(f"{workdir.PREFIX}*/{workdir.OWNER_FILE}")):
+            assert time.monotonic() < deadline and launcher.poll() is None
             time.sleep(0.05)
     finally:
-        up.kill()
-        up.wait()
+        launcher.kill()
+        launcher.wait()
     (left,) = tmp_path.glob(f"{workdir.PREFIX}*")
-    assert (left / workdir.OWNER_FILE).read_text().split()[0] == str(up.pid)
+    assert (left / workdir.OWNER_FILE).read_text().split()[0] == str(launcher.pid)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     mine = workdir.make_workdir()  # the directory of a launcher that still runs (this one) stays
-    failing_start(tmp_path)  # the next start, even one that fails, removes the stale directory
+    cluster, _ = failing_start(tmp_path)  # the next start, even one that fails, removes the stale one
     assert not left.exists() and mine.exists()
+    assert cluster.workdir is not None and cluster.workdir.parent == tmp_path  # made by make_workdir
     shutil.rmtree(mine)
+
 
 def test_kv_backend_sets_the_nixl_connectors_transport(tmp_path: Path) -> None:
     from kvrelay.entrypoints.cli import build_parser
@@ -243,5 +244,6 @@ def test_up_passes_its_chat_template_to_the_instances_and_to_the_kv_aware_proxy(
     by_load = LocalCluster(dataclasses.replace(spec, prefill_routing="round-robin",
                                                decode_routing="round-robin"))
     assert "--chat-template" not in by_load.proxy_argv(["http://p"], ["http://d"], None)
-    tokenizer = _tokenizer_with_template(str(write_tiny_model_dir(tmp_path / "model")), str(template))
+    tiny_tokenizer().save(tmp_path / "model")  # the proxy reads a model's tokenizer only
+    tokenizer = _tokenizer_with_template(str(tmp_path / "model"), str(template))
     assert tokenizer.apply_chat_template([{"role": "user", "content": "t5"}]) == "t9 t5 t8"
