@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrelay import LLM, SamplingParams
 from kvrelay.disagg.launcher import ClusterSpec, LocalCluster
 from kvrelay.disagg.proxy import PREFILL_KV_TRANSFER_PARAMS
+from kvrelay.entrypoints.cli import main
 from tests.entrypoints.test_serve_tensor_parallel import children_of, is_running
 from tests.tiny import write_tiny_model_dir
 
@@ -122,3 +123,12 @@ def test_d_reads_from_the_p_rank_that_computed_the_prompt(cluster: LocalCluster,
         loaded = by_rank(d.url, "kvrelay_prompt_tokens_external_total")
         assert loaded[str(d_rank)] - before[str(d_rank)] == 25
     assert wait_all_free([p.url, d.url]) == {url: {"0": 0, "1": 0} for url in (p.url, d.url)}
+
+
+def test_push_mode_refuses_prefill_ranks_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--connector", "NixlPushConnector", "--prefill-dp", "2", "--port", "1"]) == 2
+    assert "--prefill-dp must be 1 in push mode" in capsys.readouterr().err
+    push = ClusterSpec(connector="NixlPushConnector", decode_dp=2)  # D's ranks each register with P
+    assert push.instances == [("prefill-0", 1), ("decode-0", 2)]
+    with pytest.raises(ValueError, match="decode_dp must be >= 1, got 0"):
+        ClusterSpec(decode_dp=0)
