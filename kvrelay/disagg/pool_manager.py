@@ -9,7 +9,8 @@
                row too (a busy instance can be slow to answer). It comes back when it answers.
     KV index   with a kv-aware policy, each instance's KV events are followed: where it
                publishes comes from the admin API or, for kvrelay instances, from its
-               GET /kv_events; its index starts empty when it joins or comes back.
+               GET /kv_events; its index starts empty when it joins or comes back. An instance
+               with data-parallel ranks has a stream and an index entry per rank.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import httpx
 from kvrelay.disagg.backends import Backend, BackendPool, InstanceState
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.push_mode import check_push_config
-from kvrelay.disagg.routing.kv_index import KVIndex
+from kvrelay.disagg.routing.kv_index import KVIndex, rank_key
 from kvrelay.disagg.routing.policies import create_policy
 from kvrelay.kv_events.subscriber import KVEventSubscriber, StreamAddress
 
@@ -188,20 +189,26 @@ class PoolManager:
             return
         block_size = None
         if backend.events is None:
-            backend.events, block_size = await self._discover_events(backend.url)
+            backend.events, block_size, backend.rank_events = await self._discover_events(backend.url)
             if backend.events is None and self.index.status(backend.url).reason == "no events endpoint":
                 return  # asked before, still nothing: keep the entry (and the log quiet)
         self.index.track(backend.url, subscribed=backend.events is not None, block_size=block_size)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
+        for dp_rank, address in backend.rank_events.items():  # (instance, rank): one entry each
+            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=block_size)
+            self.subscriber.add(rank_key(backend.url, dp_rank), address)
 
     def _untrack_index(self, backend: Backend) -> None:
         if self.index is not None and self.subscriber is not None:
-            self.subscriber.remove(backend.url)
-            self.index.forget(backend.url)
+            for key in backend.index_keys:
+                self.subscriber.remove(key)
+                self.index.forget(key)
 
-    async def _discover_events(self, url: str) -> tuple[StreamAddress | None, int | None]:
-        """Where a kvrelay instance publishes (GET /kv_events); (None, None) if it does not say."""
+    async def _discover_events(self, url: str
+                               ) -> tuple[StreamAddress | None, int | None, dict[int, StreamAddress]]:
+        """Where a kvrelay instance publishes (GET /kv_events), its block size, and where its
+        data-parallel ranks above 0 publish, if it has some; (None, None, {}) if it does not say."""
         try:
             response = await self.client.get(url + "/kv_events", timeout=self.config.health_timeout,
                                              headers=self._auth_headers())
@@ -212,13 +219,16 @@ class PoolManager:
             if self.index is not None and self.index.status(url).reason != "no events endpoint":
                 logger.warning("%s publishes no KV events (GET /kv_events): kv-aware routing weighs it "
                                "by load alone", url)
-            return None, None
+            return None, None, {}
         host = urlsplit(url).hostname or "127.0.0.1"
+        topic = answer.get("topic") or ""
         replay = answer.get("replay_endpoint")
         address = StreamAddress(connectable(answer["endpoint"], host),
-                                connectable(replay, host) if replay else None, answer.get("topic") or "")
+                                connectable(replay, host) if replay else None, topic)
         block_size = answer.get("block_size")
-        return address, block_size if isinstance(block_size, int) else None
+        ranks = _rank_streams(answer.get("ranks"), host, topic)
+        return (address, block_size if isinstance(block_size, int) else None,
+                {rank: stream for rank, stream in ranks.items() if stream.endpoint != address.endpoint})
 
     # ------------------------------------------------------------------ helpers
 
@@ -247,6 +257,20 @@ class PoolManager:
                                    "replay_endpoint": backend.events.replay_endpoint,
                                    "topic": backend.events.topic}
         return report
+
+
+def _rank_streams(ranks: Any, host: str, topic: str) -> dict[int, StreamAddress]:
+    """The streams of an instance's data-parallel ranks above 0, from its /kv_events "ranks"
+    (the caller drops the one it follows as the instance's own: a rank served alone)."""
+    streams: dict[int, StreamAddress] = {}
+    for entry in ranks if isinstance(ranks, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        dp_rank, endpoint, replay = entry.get("dp_rank"), entry.get("endpoint"), entry.get("replay_endpoint")
+        if isinstance(dp_rank, int) and dp_rank > 0 and isinstance(endpoint, str):
+            replay_address = connectable(replay, host) if isinstance(replay, str) else None
+            streams[dp_rank] = StreamAddress(connectable(endpoint, host), replay_address, topic)
+    return streams
 
 
 def connectable(endpoint: str, host: str) -> str:

@@ -62,11 +62,14 @@ from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
 from kvrelay.disagg.push_mode import push_decode_params, push_prefill_params
 from kvrelay.disagg.routing import Decision, PromptBlocks, PromptReader
+from kvrelay.disagg.routing.kv_index import rank_key
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "DisaggProxy", "ProxyConfig", "build_app", "decode_body",
            "prefill_body"]
 
 logger = logging.getLogger(__name__)
+
+DP_RANK_HEADER = "X-data-parallel-rank"  # which data-parallel rank of an instance answered (vLLM's name)
 
 class DisaggProxy:
     """State shared by every request: the pools, one HTTP client, the metrics."""
@@ -217,16 +220,17 @@ class DisaggProxy:
         index = self.manager.index
         started_at = time.monotonic()
         self.prefill.start_leg(decision)
-        if index is not None:
+        if index is not None and len(backend.index_keys) == 1:  # with ranks, P picks one: unknown yet
             index.expect(backend.url, request_id, prompt)
         try:
             with self.metrics.prefill_seconds.time():
-                outcome, answer = await self._post_prefill(backend, route, body, request_id, headers)
+                outcome, answer, dp_rank = await self._post_prefill(backend, route, body, request_id, headers)
         finally:
             self.prefill.end_leg(decision)
         prompt_tokens, cached = _usage_tokens(answer)
-        if index is not None:
-            index.settle(backend.url, request_id, started_at, prompt_tokens, cached)
+        if index is not None:  # on the entry of the rank that answered, when P has several
+            key = backend.url if len(backend.index_keys) == 1 else rank_key(backend.url, dp_rank)
+            index.settle(key, request_id, started_at, prompt_tokens, cached)
         if decision.predicted_hit_tokens is not None and cached is not None:
             self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, cached)
         self.manager.reap()
@@ -252,25 +256,28 @@ class DisaggProxy:
         return Prefilled(params, source=backend)
 
     async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
-                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
-        """(outcome, P's answer): the answer is None unless P answered 200 with a JSON object."""
+                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None, int]:
+        """(outcome, P's answer, the data-parallel rank that answered): the answer is None unless
+        P answered 200 with a JSON object; the rank is 0 unless P names another one."""
         try:
             response = await asyncio.wait_for(
                 self.client.post(backend.url + route, json=prefill_body(body, request_id), headers=headers),
                 timeout=self.config.prefill_timeout)
         except (TimeoutError, httpx.TimeoutException):
-            return "timeout", None
+            return "timeout", None, 0
         except httpx.TransportError as e:
             if isinstance(e, httpx.ConnectError):
                 self.manager.mark_down(backend, repr(e))
-            return "unreachable", None
+            return "unreachable", None, 0
+        rank = response.headers.get(DP_RANK_HEADER, "0")
+        dp_rank = int(rank) if rank.isdigit() else 0
         if response.status_code != 200:
-            return f"http_{response.status_code}", None
+            return f"http_{response.status_code}", None, dp_rank
         try:
             answer = response.json()
         except ValueError:
-            return "bad_response", None
-        return ("ok", answer) if isinstance(answer, dict) else ("bad_response", None)
+            return "bad_response", None, dp_rank
+        return ("ok", answer, dp_rank) if isinstance(answer, dict) else ("bad_response", None, dp_rank)
 
     # ------------------------------------------------------------------ decode leg
 

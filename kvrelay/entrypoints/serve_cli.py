@@ -5,6 +5,11 @@ SIGTERM and SIGINT stop the server gracefully: open connections get a few second
 engine thread is stopped and joined, and the process exits with status 0. If the engine dies
 (a worker process of a tensor-parallel instance died or hung), requests in flight fail, /health
 answers 503, the server stops and the process exits with status 1.
+
+With --data-parallel-size N the server fronts N ranks, each a whole engine in its own worker
+processes (kvrelay.engine.data_parallel). A rank that dies fails its own requests and leaves the
+routing, /health names it (still 200 while another rank serves), and the server stops only when
+every rank is down; it exits with status 1 if any rank died.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvrelay.config import EngineConfig
@@ -49,26 +55,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_args.set_torch_threads()
 
     from kvrelay import env
-    from kvrelay.engine.async_llm import AsyncLLM
-    from kvrelay.engine.llm_engine import LLMEngine
     from kvrelay.entrypoints.openai_server import build_app
 
-    engine = LLMEngine(config)
-    async_llm = AsyncLLM(engine)
+    async_llm, stop_engines = _start_engines(config, engine_args.threads)
     try:
-        app = build_app(async_llm, engine.model_name, args.api_key or env.api_key())
-        _run_uvicorn(app, args, engine.model_name, async_llm)
+        app = build_app(async_llm, async_llm.model_name, args.api_key or env.api_key())
+        _run_uvicorn(app, args, async_llm.model_name, async_llm)
     finally:
-        async_llm.shutdown()
-        engine.shutdown()  # NOTE: after a crash the engine thread did not: stop the workers here
+        stop_engines()
         others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
         if others:
             logger.warning("threads still running at exit: %s", ", ".join(others))
     if async_llm.crashed:
-        logger.error("kvrelay serve stopped: %s", async_llm.dead_reason)
+        logger.error("kvrelay serve stopped: %s", _dead_ranks(async_llm))
         return 1
     logger.info("kvrelay serve stopped")
     return 0
+
+
+def _start_engines(config: EngineConfig, threads: int | None) -> tuple[Any, Callable[[], None]]:
+    """The engine client `serve` fronts (one engine, or a data-parallel group's ranks, each a
+    whole engine in its own worker processes) and how to stop it."""
+    if config.parallel.is_data_parallel_group:
+        from kvrelay.engine.data_parallel import DataParallelLLM
+
+        group = DataParallelLLM.start(config, threads)
+        return group, group.shutdown
+
+    from kvrelay.engine.async_llm import AsyncLLM
+    from kvrelay.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    async_llm = AsyncLLM(engine)
+
+    def stop() -> None:
+        async_llm.shutdown()
+        engine.shutdown()  # NOTE: after a crash the engine thread did not: stop the workers here
+    return async_llm, stop
+
+
+def _dead_ranks(client: Any) -> str:
+    """Why the engines that crashed did (each data-parallel rank named)."""
+    return "; ".join(llm.dead_reason if llm.dp_rank is None else f"data-parallel rank {llm.dp_rank}: "
+                     f"{llm.dead_reason}" for llm in client.ranks if llm.crashed)
 
 
 def _run_uvicorn(app: Any, args: argparse.Namespace, model_name: str, async_llm: Any) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -92,6 +92,19 @@ class KVTransferConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def for_data_parallel_rank(self, dp_rank: int, tensor_parallel_size: int) -> KVTransferConfig:
+        """This config as data-parallel rank `dp_rank` runs it: engine id `<id>_dp<rank>` (its
+        name among peers) and KV ports from `kv_port + dp_rank * tensor_parallel_size` (its TP
+        rank t at + t), so P's kv_transfer_params name the rank that holds the blocks. A
+        MultiConnector child that names its own kv_port or engine_id moves the same way."""
+        offset = dp_rank * tensor_parallel_size
+        extra = self.kv_connector_extra_config
+        children = extra.get("connectors")
+        if isinstance(children, list):
+            extra = {**extra, "connectors": [_child_for_rank(child, dp_rank, offset) for child in children]}
+        return replace(self, engine_id=f"{self.engine_id}_dp{dp_rank}", kv_port=self.kv_port + offset,
+                       kv_connector_extra_config=extra)
+
     @classmethod
     def from_any(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
         """Build from a config, a dict, or a JSON object string; None stays None (no connector).
@@ -136,3 +149,36 @@ def _check_type(name: str, value: Any, expected: type, nullable: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, expected):
         wanted = expected.__name__ + (" or None" if nullable else "")
         raise ValueError(f"kv_transfer_config key {name!r} must be {wanted}, got {value!r}")
+
+
+def check_kv_port_range(config: KVTransferConfig | None, tensor_parallel_size: int,
+                        data_parallel_size: int) -> None:
+    """Refuse, before anything starts, KV side-channel ports past 65535: rank r of TP rank t
+    listens on kv_port + r * tensor_parallel_size + t, so a group needs kv_port .. kv_port +
+    data_parallel_size * tensor_parallel_size - 1 (and the same from each MultiConnector child's
+    own kv_port)."""
+    if config is None or config.kv_connector is None:
+        return
+    num_ports = data_parallel_size * tensor_parallel_size
+    children = config.kv_connector_extra_config.get("connectors")
+    child_ports = [child["kv_port"] for child in (children if isinstance(children, list) else [])
+                   if isinstance(child, dict) and isinstance(child.get("kv_port"), int)]
+    for base in (config.kv_port, *child_ports):
+        last = base + num_ports - 1
+        if last > 65535:
+            raise ValueError(
+                f"the KV side-channel ports pass 65535: {data_parallel_size} data-parallel rank(s) of "
+                f"{tensor_parallel_size} tensor-parallel rank(s) listen on kv_port + dp_rank * "
+                f"{tensor_parallel_size} + tp_rank = {base}..{last}; give a kv_port of at most "
+                f"{65536 - num_ports} in --kv-transfer-config, or fewer ranks")
+
+
+def _child_for_rank(child: Any, dp_rank: int, offset: int) -> Any:
+    if not isinstance(child, dict):
+        return child  # MultiConnector refuses it, naming it
+    moved = dict(child)
+    if isinstance(child.get("kv_port"), int):
+        moved["kv_port"] = child["kv_port"] + offset
+    if isinstance(child.get("engine_id"), str):
+        moved["engine_id"] = f"{child['engine_id']}_dp{dp_rank}"
+    return moved
