@@ -37,7 +37,7 @@ class ProxyConfig:
     # Membership: the admin API's key (None: the admin API is off), and the health checks.
     admin_key: str | None = None
     health_interval: float = 2.0  # seconds between two checks of every instance (0: no checks)
-    health_timeouts_to_drop: int = 2  # checks without an answer that take an instance out
+    health_timeouts_to_drop: int = 2  # timed-out checks that take it out (as disagg/health.py counts them)
 
     def __post_init__(self) -> None:
         for name in ("prefill_routing", "decode_routing"):
