@@ -78,17 +78,22 @@ class Connections:
     """The three clients; `send` retries a stale reused connection once."""
 
     def __init__(self, max_connections: int, keepalive_expiry: float, timeout: httpx.Timeout,
-                 on_bytes: Callable[[str], None], on_stale: Callable[[str], None]) -> None:
+                 on_bytes: Callable[[str], None], on_stale: Callable[[str], None],
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """`transport`: every request goes there instead of over the network (a test's ASGI app)."""
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=min(64, max_connections),
                               keepalive_expiry=keepalive_expiry)
-        # NOTE: no env proxies (trust_env=False): requests go straight to the instances.
-        self.pooled = httpx.AsyncClient(transport=_Watched(httpx.AsyncHTTPTransport(limits=limits), on_bytes),
-                                        timeout=timeout, trust_env=False)
         fresh_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
-        self.fresh = httpx.AsyncClient(transport=_Watched(httpx.AsyncHTTPTransport(limits=fresh_limits),
-                                                          on_bytes), timeout=timeout, trust_env=False)
-        self.checks = httpx.AsyncClient(limits=fresh_limits, timeout=timeout, trust_env=False)
+        pooled = transport or httpx.AsyncHTTPTransport(limits=limits)
+        fresh = transport or httpx.AsyncHTTPTransport(limits=fresh_limits)
+        checks = transport or httpx.AsyncHTTPTransport(limits=fresh_limits)
+        # NOTE: no env proxies (trust_env=False): requests go straight to the instances.
+        self.pooled = httpx.AsyncClient(transport=_Watched(pooled, on_bytes), timeout=timeout,
+                                        trust_env=False)
+        self.fresh = httpx.AsyncClient(transport=_Watched(fresh, on_bytes), timeout=timeout,
+                                       trust_env=False)
+        self.checks = httpx.AsyncClient(transport=checks, timeout=timeout, trust_env=False)
         self._on_stale = on_stale
 
     async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
