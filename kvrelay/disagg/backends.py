@@ -48,6 +48,8 @@ class Backend:
     queued_tokens: int = 0  # prompt tokens those legs are predicted to compute
     readers: int = 0  # decode legs reading KV this (prefill) instance computed
     health_failures: int = 0  # consecutive failed health checks
+    missed_checks: float = 0.0  # timed-out checks counted against it (kvrelay.disagg.health)
+    last_bytes_at: float = float("-inf")  # time.monotonic() when its legs last brought bytes
     kv_address: tuple[str, int] | None = None  # push mode: its KV side channel
     events: StreamAddress | None = None  # where it publishes KV events, when known (rank 0's)
     # Where its other data-parallel ranks publish, by rank (empty: one rank, or not known).

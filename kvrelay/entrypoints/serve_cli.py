@@ -10,6 +10,10 @@ With --data-parallel-size N the server fronts N ranks, each a whole engine in it
 processes (kvrelay.engine.data_parallel). A rank that dies fails its own requests and leaves the
 routing, /health names it (still 200 while another rank serves), and the server stops only when
 every rank is down; it exits with status 1 if any rank died.
+
+An idle HTTP keep-alive connection is closed after --timeout-keep-alive seconds (5: uvicorn's
+default, and vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a proxy in front must drop idle connections
+sooner (`kvrelay proxy --keepalive-expiry`, 2 by default).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
 logger = logging.getLogger("kvrelay.serve")
 
 _GRACEFUL_SHUTDOWN_S = 5
+KEEP_ALIVE_S = 5  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): stated, not inherited
 
 
 def add_parser(sub: Any) -> None:
@@ -37,6 +42,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: env KVRELAY_API_KEY)")
+    p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S, metavar="SECONDS",
+                   help=f"close an idle keep-alive connection after this many seconds (default "
+                        f"{KEEP_ALIVE_S}, as uvicorn and vLLM); a proxy in front must drop idle "
+                        "connections sooner")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(p, "serve")
     p.set_defaults(func=cmd_serve)
@@ -50,6 +59,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.timeout_keep_alive < 1:
+        raise ValueError(f"--timeout-keep-alive must be at least 1 second, got {args.timeout_keep_alive}")
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()  # bad flags fail here, before the model loads
     engine_args.set_torch_threads()
@@ -100,6 +111,15 @@ def _dead_ranks(client: Any) -> str:
                      f"{llm.dead_reason}" for llm in client.ranks if llm.crashed)
 
 
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """The HTTP server's settings from `serve`'s flags (a uvicorn.Config)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          access_log=args.log_level == "debug", timeout_keep_alive=args.timeout_keep_alive,
+                          timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
+
+
 def _run_uvicorn(app: Any, args: argparse.Namespace, model_name: str, async_llm: Any) -> None:
     import uvicorn
 
@@ -110,9 +130,7 @@ def _run_uvicorn(app: Any, args: argparse.Namespace, model_name: str, async_llm:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 logger.info("kvrelay serve ready: http://%s:%d (model %r)", host, port, model_name)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=args.log_level == "debug",
-                            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
+    config = uvicorn_config(app, args)
     # uvicorn re-raises the signal it caught once it has stopped; with these handlers in place
     # that re-raise is a no-op, so the engine shutdown in the caller still runs.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from kvrelay.core.block_hash import hash_token_blocks
 from kvrelay.disagg.backends import Backend
+from kvrelay.disagg.connections import Connections
 from kvrelay.disagg.pool_manager import PoolManager
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.routing import KVIndex, PromptBlocks, create_policy
@@ -64,8 +65,10 @@ async def follow(url: str, ranks: list[int]) -> tuple[dict[str, str], list[str],
     was drained)."""
     manager = PoolManager(ProxyConfig(prefill_urls=(url,), decode_urls=("http://10.1.2.4:8200",),
                                       health_interval=0))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=instance_app(ranks))) as client:
-        await manager.start(client)
+    connections = Connections(8, 2.0, httpx.Timeout(5.0), on_bytes=lambda _: None, on_stale=lambda _: None,
+                              transport=httpx.ASGITransport(app=instance_app(ranks)))
+    try:
+        await manager.start(connections)
         try:
             assert manager.index is not None and manager.subscriber is not None
             backend = manager.prefill.backends[0]
@@ -76,6 +79,8 @@ async def follow(url: str, ranks: list[int]) -> tuple[dict[str, str], list[str],
             return keys, followed, left
         finally:
             await manager.close()
+    finally:
+        await connections.aclose()
 
 
 def test_the_pool_follows_every_ranks_event_stream_and_forgets_them_together() -> None:
