@@ -128,11 +128,13 @@ class ModelRunner:
     def _capture_graphs(self, max_model_len: int) -> None:
         assert self.backend is not None
         bind_device(self.device)
+        torch.cuda.empty_cache()  # NOTE: each capture empties the cache on entry: count from empty
         before = torch.cuda.memory_reserved(self.device)
         self.graphs = DecodeGraphs(self.model, self.backend, list(self.kv_caches), self.max_num_seqs,
                                    max_model_len, self.block_size, self.device)
         with torch.inference_mode():
             self.graphs.capture_all()
+        torch.cuda.empty_cache()  # the last warm-up's blocks; the graphs' private pool stays
         self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
         logger.info("CUDA graphs took %.0f MiB of the device (the KV budget kept %.0f MiB for them)",
                     self.graph_pool_bytes / 1024**2, self.graph_reserve / 1024**2)
@@ -255,8 +257,8 @@ class ModelRunner:
                                     batch.device_inputs().positions)
             logits = self.model.compute_logits(hidden[torch.from_numpy(batch.query_start_loc[1:] - 1)
                                                       .to(self.device, torch.int64)])  # [num_seqs, vocab]
-            if logits is not None and sample:
-                self.sampler(logits, [_PROFILE_ROW] * num_seqs)
+            if logits is not None and sample:  # a sampler of its own: the engine's draws stay untouched
+                Sampler(seed=0)(logits, [_PROFILE_ROW] * num_seqs)
             elif logits is not None:
                 logits.argmax(dim=-1).tolist()
             return sum(cache.numel() * cache.element_size() for cache in self.kv_caches.values())
