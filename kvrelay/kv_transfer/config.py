@@ -25,6 +25,7 @@ _FIELD_TYPES: dict[str, tuple[type, bool]] = {
     "kv_ip": (str, False),
     "kv_port": (int, False),
     "kv_buffer_device": (str, False),
+    "kv_buffer_size": (float, True),
 }
 KV_BUFFER_DEVICES = ("cuda", "cpu")
 
@@ -53,6 +54,11 @@ class KVTransferConfig:
     # VRAM or cuda_ipc), "cpu" through a pinned host mirror (host staging: TCP, Mooncake, NIXL
     # on DRAM for GPU KV). Makes no difference on a CPU instance.
     kv_buffer_device: str = "cuda"
+    # vLLM's name for a KV buffer's size in bytes. Here: the bound of the pinned host mirror that
+    # host staging (kv_buffer_device "cpu") keeps of each rank's GPU KV, which caps that rank's
+    # KV cache. None: half of the host memory available at start, split over the instance's TP
+    # ranks (kvrelay/kv_transfer/transport/staging.py).
+    kv_buffer_size: float | None = None
 
     def __post_init__(self) -> None:
         for name, (expected, nullable) in _FIELD_TYPES.items():
@@ -66,6 +72,9 @@ class KVTransferConfig:
             )
         if not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_port must be in 1..65535, got {self.kv_port!r}")
+        if self.kv_buffer_size is not None and self.kv_buffer_size <= 0:
+            raise ValueError(f"kv_buffer_size must be a positive number of bytes, got "
+                             f"{self.kv_buffer_size!r} (omit it for half the host's available memory)")
         if self.kv_buffer_device not in KV_BUFFER_DEVICES:
             raise ValueError(f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
                              f"got {self.kv_buffer_device!r}")
@@ -145,8 +154,9 @@ def _parse_json(text: str) -> Any:
 def _check_type(name: str, value: Any, expected: type, nullable: bool) -> None:
     if value is None and nullable:
         return
-    # NOTE: bool is a subclass of int; a port of True is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, expected):
+    # NOTE: bool is a subclass of int; a port of True is a mistake, not 1. A float takes an int.
+    accepted = (int, float) if expected is float else expected
+    if isinstance(value, bool) or not isinstance(value, accepted):
         wanted = expected.__name__ + (" or None" if nullable else "")
         raise ValueError(f"kv_transfer_config key {name!r} must be {wanted}, got {value!r}")
 
