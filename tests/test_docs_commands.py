@@ -48,6 +48,8 @@ E2E = "tests/disagg/test_pd_e2e.py::"
 UP_SIGINT = E2E + "test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind"
 PUSH = ("tests/disagg/test_up_push.py::"
         "test_push_cluster_answers_equal_a_single_instance_and_d_computes_one_token")
+DP_UP = ("tests/disagg/test_up_data_parallel.py::"
+         "test_answers_through_the_proxy_equal_one_engine_and_d_loads_every_prompt_from_p")
 EXERCISED = {
     "serve": "tests/entrypoints/test_openai_server.py::"
              "test_api_key_is_required_on_every_route_but_health_and_metrics",
@@ -74,6 +76,13 @@ EXERCISED = {
     "up --decode-tp --prefill-tp":
         "tests/kv_transfer/pull/test_pull_tp.py::test_every_tp_pair_answers_like_one_instance",
     "up --device": "tests/gpu/test_engine_gpu.py::test_two_instances_at_045_each_start_on_one_gpu",
+    "serve --data-parallel-size --threads":
+        "tests/entrypoints/test_serve_data_parallel.py::test_both_ranks_answer_through_one_port_as_one_engine_would",
+    # P's ranks in `up --prefill-dp 2` are `serve -dp 2 --kv-transfer-config` children (TP 1 there)
+    "serve --data-parallel-size --kv-transfer-config --tensor-parallel-size NixlConnector": DP_UP,
+    "serve --data-parallel-rank --data-parallel-size":
+        "tests/engine/test_data_parallel.py::test_a_rank_served_alone_takes_requests_named_for_it_only",
+    "up --decode-dp --prefill-dp": DP_UP,
     "up --admin --decode-instances --prefill-instances --routing":
         "tests/disagg/test_pool_e2e.py::"
         "test_a_running_cluster_takes_a_new_decode_instance_and_drains_an_old_one_losing_nothing",
