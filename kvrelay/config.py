@@ -120,6 +120,8 @@ class ModelConfig:
     # Which attention route serves the model: "auto" (cpu on the CPU, triton on CUDA), or one of
     # cpu (the native kernels), torch (plain torch, any device: the reference), triton (CUDA).
     attention_backend: str = "auto"
+    # A Jinja chat template (its text) used instead of the model's own (vLLM's --chat-template).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if str(self.device).strip().lower() != "auto":

@@ -6,11 +6,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from kvrelay.metrics.prometheus import new_registry
 
 if TYPE_CHECKING:
     from kvrelay.disagg.pool_manager import PoolManager
@@ -56,7 +58,7 @@ class ProxyMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = new_registry()
         self.requests = Counter("kvrelay_proxy_requests", "Client requests received",
                                 ["route"], registry=self.registry)
         self.legs = Counter("kvrelay_proxy_legs", "Legs sent to backends, by outcome",

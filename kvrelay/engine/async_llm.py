@@ -28,11 +28,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvrelay.engine.llm_engine import LLMEngine, PromptType
 from kvrelay.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,14 @@ class _Abort:
     stream: _Stream
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` between two steps; its result (or error) goes to `future`."""
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
 class _Stop:
     pass
 
@@ -97,7 +107,7 @@ class AsyncLLM:
         self.engine = engine
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
         self._open: dict[str, _Stream] = {}  # loop thread only: requests in flight, by id
         self._listeners: list[StatsListener] = []
         self._stats: dict[str, Any] = engine.get_stats()
@@ -154,6 +164,15 @@ class AsyncLLM:
         stream = self._open.get(request_id)
         if stream is not None:
             self._commands.put(_Abort(stream))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (the engine is not
+        thread-safe), e.g. `await async_llm.call(lambda e: e.reset_prefix_cache())`."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        return await future
 
     def stats(self) -> dict[str, Any]:
         """The engine's stats as published by the engine thread after its latest step."""
@@ -271,7 +290,7 @@ class AsyncLLM:
         self._publish_stats()  # admissions and aborts change the counts even without a step
         return True
 
-    def _wait_for_command(self) -> _Add | _Abort | _Stop:
+    def _wait_for_command(self) -> _Add | _Abort | _Call | _Stop:
         """Block for the next command, checking the workers while none comes (WorkerFailedError,
         and the thread's crash path, when one died)."""
         while True:
@@ -280,7 +299,10 @@ class AsyncLLM:
             except queue.Empty:
                 self.engine.check_health()
 
-    def _handle(self, command: _Add | _Abort) -> None:
+    def _handle(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Call):
+            _run_call(command, self.engine)
+            return
         stream = command.stream
         if isinstance(command, _Abort):
             if stream.engine_id is not None and stream.engine_id in self._routes:
@@ -338,6 +360,8 @@ class AsyncLLM:
                 return
             if isinstance(command, _Add):
                 command.stream.put(error)
+            elif isinstance(command, _Call):
+                _settle(command, error=error)
 
     def _drain_and_close(self) -> None:
         """Shutdown: abort what is in flight, let transfers settle briefly, release the engine."""
@@ -356,6 +380,31 @@ class AsyncLLM:
                 close()
             except Exception:
                 logger.exception("error while shutting the engine down")
+
+
+def _run_call(command: _Call, engine: LLMEngine) -> None:
+    try:
+        result = command.fn(engine)
+    except Exception as e:  # the caller's error, not the engine's
+        _settle(command, error=e)
+        return
+    _settle(command, result=result)
+
+
+def _settle(command: _Call, result: Any = None, error: BaseException | None = None) -> None:
+    """Hand the outcome to the caller's event loop (from the engine thread)."""
+    def done() -> None:
+        if command.future.done():  # the caller gave up (cancelled)
+            return
+        if error is not None:
+            command.future.set_exception(error)
+        else:
+            command.future.set_result(result)
+
+    try:
+        command.loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the loop is closed: nobody is waiting
+        pass
 
 
 _anonymous_ids = itertools.count()

@@ -55,6 +55,8 @@ class LLMEngine:
         # The spec of the model one rank runs: its KV heads size the blocks and the connectors.
         self.rank_spec = shard_spec(self.spec, shard_layout(self.spec, 0, tp_size))
         self.tokenizer = loaded.tokenizer
+        if mcfg.chat_template is not None:  # before the stop ids below: its end-of-turn token stops
+            self.tokenizer.set_chat_template(mcfg.chat_template)
         self.model_name = mcfg.served_model_name or loaded.name
         # Format, fp8 scales and compatibility fingerprint, from the whole (unsharded) model.
         self.kv = build_kv_setup(config, self.spec, loaded.weights, torch_dtype(config.model.dtype),
@@ -236,6 +238,19 @@ class LLMEngine:
                 raise TimeoutError("the engine still has pending work after "
                                    f"{timeout_s:.0f} s: {self.scheduler.stats.as_dict()}")
             self.step()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> bool:
+        """vLLM's reset: forget every cached prefix; False while blocks are held (see
+        Scheduler.reset_prefix_cache). `reset_external`: the connector's own cache too (a
+        connector that keeps none, or cannot reset it, counts as done, as in vLLM)."""
+        reset = self.scheduler.reset_prefix_cache(reset_running_requests)
+        if reset_external:
+            external = self.scheduler.connector.reset_cache()
+            if external is None:
+                logger.info("reset_prefix_cache: the KV connector keeps no cache it can reset")
+            reset = reset and external is not False
+        logger.info("reset_prefix_cache: %s", "done" if reset else "refused: blocks are still in use")
+        return reset
 
     def shutdown(self) -> None:
         """Stop the workers and the connectors' threads and transports. Idempotent; the engine is

@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE ending in
 `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health,
 GET /metrics, GET /kv_events (where this instance publishes its KV cache events, for a router),
-and FastAPI's GET /openapi.json and /docs.
+POST /reset_prefix_cache (vLLM's), and FastAPI's GET /openapi.json and /docs.
 
 Parallel sampling (`n`) and prompt lists: a list in /v1/completions becomes one engine request
 per prompt (ids `<id>-<k>`), each with n choices; choice j of prompt k has index k * n + j, and
@@ -14,7 +14,8 @@ Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Bad
 a 4xx naming the field (never a 500), and the server keeps serving:
     400 invalid JSON, wrong types, out-of-range values, prompt or max_tokens beyond the context,
         fields kvrelay does not implement, bad kv_transfer_params
-    401 missing or wrong `Authorization: Bearer <key>` (every route but /health, when a key is set)
+    401 missing or wrong `Authorization: Bearer <key>` (every route but /health and /metrics, when a
+        key is set: kvrelay.entrypoints.auth)
     404 unknown model or route
     500 the engine failed the request; 503 the engine thread is gone (/health says so too)
 
@@ -30,6 +31,7 @@ says which rank served it in the same header. /health, /metrics and /kv_events c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -45,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM, EngineDeadError
 from kvrelay.engine.data_parallel import RANK_HEADER, DataParallelLLM, RankLeg
+from kvrelay.entrypoints.auth import api_key_error
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
 from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
 from kvrelay.entrypoints.protocol import (
@@ -114,12 +117,9 @@ class OpenAIServer:
         # (non-daemon) thread would hold the process open for seconds after shutdown.
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
-            raise APIError(401, "incorrect API key in the Authorization header")
+        problem = api_key_error(request.headers.get("authorization", ""), self.api_key)
+        if problem is not None:
+            raise APIError(401, problem)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -339,6 +339,17 @@ class OpenAIServer:
                 raise APIError(400, f"tokens[{i}]={tok} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.async_llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> dict[str, bool]:
+        """vLLM's route and answer: forget every cached prefix (on every data-parallel rank);
+        `success` is false while blocks are held (requests running, KV held for a peer); retry,
+        or reset_running_requests=true (they are preempted and recomputed). reset_external=true:
+        the connector's cache too."""
+        self.check_alive()
+        done = await asyncio.gather(*(llm.call(
+            lambda engine: engine.reset_prefix_cache(reset_running_requests, reset_external))
+            for llm in self.async_llm.ranks))
+        return {"success": all(done)}
+
     def kv_events(self) -> dict[str, Any]:
         """Where this instance publishes KV events (docs/routing.md): a router subscribes there.
         A wildcard host (tcp://*:5557) means "this instance's host". With data-parallel ranks,
@@ -408,10 +419,22 @@ def build_app(async_llm: EngineClient, served_model_name: str | None = None,
     async def version() -> dict[str, str]:
         return {"version": kvrelay.__version__}
 
-    @app.get("/metrics", dependencies=auth)
+    _add_instance_routes(app, server, auth)
+    return app
+
+
+def _add_instance_routes(app: FastAPI, server: OpenAIServer, auth: list[Any]) -> None:
+    """What operators and routers ask of the instance: metrics, KV events, its cache, health."""
+
+    @app.get("/metrics")  # open, as vLLM's: Prometheus scrapes without the key (entrypoints/auth.py)
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache(reset_running_requests: bool = False,
+                                 reset_external: bool = False) -> dict[str, bool]:
+        return await server.reset_prefix_cache(reset_running_requests, reset_external)
 
     @app.get("/kv_events", dependencies=auth)
     async def kv_events() -> dict[str, Any]:
@@ -420,8 +443,6 @@ def build_app(async_llm: EngineClient, served_model_name: str | None = None,
     @app.get("/health")
     async def health() -> JSONResponse:
         return server.health()
-
-    return app
 
 
 # --------------------------------------------------------------------------------- helpers

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvrelay.config import EngineConfig
 from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
+from kvrelay.utils import busy_port_error
 
 logger = logging.getLogger("kvrelay.serve")
 
@@ -40,7 +41,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
                         "(default: env KVRELAY_API_KEY)")
     p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S, metavar="SECONDS",
                    help=f"close an idle keep-alive connection after this many seconds (default "
@@ -63,6 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout-keep-alive must be at least 1 second, got {args.timeout_keep_alive}")
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.create_engine_config()  # bad flags fail here, before the model loads
+    busy = busy_port_error(args.host, args.port)  # and a busy port, as `kvrelay up` checks its own
+    if busy is not None:
+        raise ValueError(busy)
     engine_args.set_torch_threads()
 
     from kvrelay import env

@@ -41,6 +41,8 @@ class SchedulerConnector(Protocol):
 
     def take_events(self) -> list[Any]: ...
 
+    def reset_cache(self) -> bool | None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -99,6 +101,9 @@ class NullSchedulerConnector:
 
     def take_events(self) -> list[Any]:
         return []
+
+    def reset_cache(self) -> bool | None:
+        return None
 
     def shutdown(self) -> None:
         return None

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -86,13 +93,23 @@ class EngineStatsCollector(Collector):
                 yield family
 
 
+def new_registry(auto_describe: bool = False) -> CollectorRegistry:
+    """A registry of one app. Counters and histograms export no `*_created` series (a creation
+    timestamp per series, which no dashboard reads and every scrape stores). vLLM 0.32 exports
+    them from one API server (53 of its 445 series, checked in .venv-vllm) and none from several
+    (its multiprocess collector has none). NOTE: prometheus_client's switch is process-wide;
+    every kvrelay app wants it off."""
+    disable_created_metrics()
+    return CollectorRegistry(auto_describe=auto_describe)
+
+
 class ServerMetrics:
     """The metrics of one `kvrelay serve` app. With `ranks` (data parallelism: (dp_rank, stats)
     per rank) every metric carries a `dp_rank` label; the per-request ones take the rank that
     served the request."""
 
     def __init__(self, read_stats: StatsReader, ranks: Sequence[tuple[int, StatsReader]] = ()) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = new_registry(auto_describe=True)
         self.registry.register(EngineStatsCollector(read_stats, ranks))
         rank_label = ["dp_rank"] if ranks else []
         self.time_to_first_token = Histogram(

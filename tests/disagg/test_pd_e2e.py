@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,10 +217,15 @@ def _processes_mentioning(needle: str) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_path: Path) -> None:
+    """`kvrelay up --api-key`: the banner says what runs and prints commands that run as printed;
+    the proxy and the instances require the key (not /health, /metrics); SIGINT stops every
+    process and removes the cluster's directory, its ipc:// event sockets with it."""
     model_dir = write_tiny_model_dir(tmp_path / "up_model")  # its own path, to find its processes
     cmd = [sys.executable, "-m", "kvrelay.entrypoints.cli", "up", str(model_dir), "--port", "0",
-           "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--startup-timeout", "180"]
-    up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--startup-timeout", "180",
+           "--api-key", "up-sekret"]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     banner: list[str] = []
     try:
         assert up.stdout is not None
@@ -232,8 +238,22 @@ def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_pat
         assert match, text
         child_pids = [int(pid) for pid in re.findall(r" pid (\d+) ", text)]
         assert len(child_pids) == 3, text  # P, D and the proxy
+        assert re.search(r"connector +NixlConnector \(pull: D reads P's blocks after P answered\), "
+                         r"transport (nixl|tcp)\n", text), text
+        assert re.search(r"offload +off \(--offload", text) and re.search(r"routing +prefill kv-aware, "
+                                                                         r"decode kv-aware", text), text
+        demo = re.search(r"\n  (\S+) demo --url ", text)
+        assert demo and shutil.which(demo.group(1)), text  # runnable as printed
+        (events,) = {Path(p).parent.parent / "events" for p in re.findall(r" log (\S+)", text)}
+        assert {p.name for p in events.iterdir()} >= {"prefill-0.pub", "decode-0.replay"}
         url = match.group(1)
-        assert completion(url, PROMPTS[1], model=model_name(url)) != ""
+        body = {"model": "x", "prompt": PROMPTS[1], "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+        key = {"Authorization": "Bearer up-sekret"}
+        name = httpx.get(url + "/v1/models", headers=key, timeout=10).json()["data"][0]["id"]
+        answer = httpx.post(url + "/v1/completions", json={**body, "model": name}, headers=key, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
@@ -243,6 +263,7 @@ def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_pat
     assert [pid for pid in child_pids if _alive(pid)] == []
     assert _processes_mentioning(str(model_dir)) == []
     assert os.getpid() not in child_pids
+    assert not events.parent.exists() and list(tmp_path.glob("kvrelay-*")) == []
 
 
 def test_demo_streams_answers_and_shows_the_prompt_was_loaded_on_d(cluster: LocalCluster) -> None:
