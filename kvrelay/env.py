@@ -11,6 +11,10 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 | `KVRELAY_ADMIN_KEY` | unset              | key of the proxy's admin API (`kvrelay proxy`, `kvrelay pool`) |
 | `KVRELAY_NATIVE_KERNELS` | `1`           | `0`: never compile/use the native C kernels        |
 | `KVRELAY_NATIVE_ARCH` | `native`         | their build target: `native`, `haswell` (AVX2) or `generic` |
+
+Read as huggingface_hub reads them, to find a repo id in the local Hugging Face cache (kvrelay never
+downloads): `HF_HUB_CACHE`, else `HF_HOME/hub`, else `XDG_CACHE_HOME/huggingface/hub`, else
+`~/.cache/huggingface/hub`.
 """
 
 from __future__ import annotations
@@ -54,3 +58,13 @@ def native_arch() -> str:
     if raw not in NATIVE_ARCHS:
         raise ValueError(f"KVRELAY_NATIVE_ARCH must be one of {', '.join(NATIVE_ARCHS)}, got {raw!r}")
     return raw
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face cache of model repos, where huggingface_hub puts downloads."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "huggingface" / "hub"

@@ -439,7 +439,14 @@ class Scheduler:
             error=req.error)
 
     # ----------------------------------------------------------------------------- misc
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's semantics): refused (False) while a block is held,
+        unless `reset_running_requests` preempts the running requests first (they recompute).
+        Blocks held for a transfer still refuse it."""
+        if reset_running_requests:
+            discarded = SchedulerOutput()  # between steps: nothing is scheduled
+            while self.running:  # the latest first, so the waiting queue keeps their order
+                self._preempt(self.running.pop(), discarded)
         reset = self.kv_cache_manager.reset_prefix_cache()
         self.publish_kv_events()  # now: no step may follow soon
         return reset

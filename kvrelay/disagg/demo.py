@@ -143,9 +143,10 @@ def print_disaggregation(before: dict[str, list[dict[str, float]]], after: dict[
 
 
 async def _run_requests(url: str, model: str, prompts: list[str], max_tokens: int,
-                        out: TextIO) -> list[StreamResult]:
+                        out: TextIO, headers: dict[str, str]) -> list[StreamResult]:
     results = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False,
+                                 headers=headers) as client:
         for i, prompt in enumerate(prompts):
             print(f"\n[{i + 1}/{len(prompts)}] user: {prompt}\nassistant: ", end="", file=out, flush=True)
             body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt}],
@@ -158,10 +159,11 @@ async def _run_requests(url: str, model: str, prompts: list[str], max_tokens: in
 
 
 def run_demo(url: str, num_requests: int = 3, max_tokens: int = 48, prompts: list[str] | None = None,
-             out: TextIO = sys.stdout) -> list[StreamResult]:
+             out: TextIO = sys.stdout, api_key: str | None = None) -> list[StreamResult]:
     url = url.rstrip("/")
     chosen = prompts or [DEMO_PROMPTS[i % len(DEMO_PROMPTS)] for i in range(num_requests)]
-    with httpx.Client(timeout=10.0, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=10.0, trust_env=False, headers=headers) as client:
         model = served_model(client, url)
         topology = discover(client, url)
         print(f"kvrelay demo: {url} (model {model})", file=out)
@@ -178,7 +180,7 @@ def run_demo(url: str, num_requests: int = 3, max_tokens: int = 48, prompts: lis
 
         before = snapshot() if topology else None
         proxy_before = scrape(client, url)
-        results = asyncio.run(_run_requests(url, model, chosen, max_tokens, out))
+        results = asyncio.run(_run_requests(url, model, chosen, max_tokens, out, headers))
         if topology is not None and before is not None:
             print_disaggregation(before, snapshot(), proxy_before, scrape(client, url), out)
     return results

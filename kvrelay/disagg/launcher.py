@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
+from kvrelay.disagg.children import ChildProcess, ClusterError, stop_children, wait_healthy
 from kvrelay.disagg.connector_plans import (
     CONNECTOR_PLANS,
     DEFAULT_CONNECTOR,
@@ -47,15 +45,15 @@ from kvrelay.disagg.connector_plans import (
 )
 from kvrelay.disagg.placement import Placement, plan_devices, startup_waves, visible_gpus
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY
+from kvrelay.disagg.workdir import keep_logs as move_logs
+from kvrelay.disagg.workdir import make_workdir
+from kvrelay.utils import busy_port_error
 
 if TYPE_CHECKING:
     from kvrelay.kv_transfer.path_choice import PathChoice
 
 KV_ADMIN_ENV = "KVRELAY_ADMIN_KEY"
-
-
-class ClusterError(RuntimeError):
-    """A child failed to start, did not become healthy, or died."""
+API_KEY_ENV = "KVRELAY_API_KEY"
 
 
 def connector_plan(spec: ClusterSpec, workdir: Path, path: PathChoice | None = None) -> ConnectorPlan:
@@ -84,11 +82,13 @@ class ClusterSpec:
     serve_args: tuple[str, ...] = ()  # extra flags for every `kvrelay serve`
     startup_timeout: float = 600.0
     grace_period: float = 10.0
-    log_dir: str | None = None  # None: inside the cluster's temp directory (removed at exit)
+    log_dir: str | None = None  # None: inside the cluster's temp directory (kept only on failure)
     # OffloadConnector extra config for the decode instances (None: no offload tiers).
     offload: dict[str, Any] | None = None
     prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
     decode_tp: int = 1  # tensor_parallel_size of each decode instance
+    prefill_dp: int = 1  # data_parallel_size of each prefill instance: ranks behind its one URL
+    decode_dp: int = 1
     kv_backend: str | None = None  # the Nixl connectors' transport (None: the plan's default)
     # Where the instances run (placement.py): auto (the GPUs when there are any), cpu, cuda or
     # cuda:N; on GPUs `gpu_memory_utilization` is split between instances that share one.
@@ -98,6 +98,10 @@ class ClusterSpec:
     decode_routing: str = DEFAULT_POLICY
     # The proxy's admin API key (None: off); `kvrelay up --admin` makes one.
     admin_key: str | None = field(default=None, repr=False)
+    # The key clients must send (as to `kvrelay serve --api-key`): the proxy and every instance
+    # require it, given to them in the environment (KVRELAY_API_KEY), never in argv.
+    api_key: str | None = field(default=None, repr=False)
+    chat_template: str | None = None  # --chat-template as given (also in serve_args): the proxy's too
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTOR_PLANS:
@@ -106,7 +110,11 @@ class ClusterSpec:
         if self.kv_backend is not None and self.connector not in ("NixlConnector", "NixlPushConnector"):
             raise ValueError(f"kv_backend={self.kv_backend!r} chooses the transport of NixlConnector and "
                              f"NixlPushConnector; {self.connector} has none")
-        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
+        if self.prefill_dp > 1 and self.connector == "NixlPushConnector":
+            raise ValueError("NixlPushConnector: D registers with P's side channel before P picks a "
+                             "data-parallel rank, so --prefill-dp must be 1 in push mode "
+                             "(--decode-dp may be more)")
+        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp", "prefill_dp", "decode_dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads_per_instance is not None and self.threads_per_instance < 1:
@@ -116,15 +124,17 @@ class ClusterSpec:
 
     @property
     def instances(self) -> list[tuple[str, int]]:
-        """(name, tensor-parallel size) of every serve child, prefill first."""
-        return ([(f"prefill-{i}", self.prefill_tp) for i in range(self.num_prefill)]
-                + [(f"decode-{i}", self.decode_tp) for i in range(self.num_decode)])
+        """(name, ranks: tensor- times data-parallel size) of every serve child, prefill first."""
+        return ([(f"prefill-{i}", self.prefill_tp * self.prefill_dp) for i in range(self.num_prefill)]
+                + [(f"decode-{i}", self.decode_tp * self.decode_dp) for i in range(self.num_decode)])
 
     @property
     def threads(self) -> int:
+        """Torch threads of each engine (each data-parallel rank of an instance has this many)."""
         if self.threads_per_instance is not None:
             return self.threads_per_instance
-        return max(1, available_cores() // (self.num_prefill + self.num_decode))
+        engines = self.num_prefill * self.prefill_dp + self.num_decode * self.decode_dp
+        return max(1, available_cores() // engines)
 
 
 def place_instances(spec: ClusterSpec) -> list[Placement]:
@@ -163,91 +173,14 @@ def free_port_run(host: str, count: int, attempts: int = 50) -> int:
 
 
 def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ClusterError(f"port {port} on {host} is not free ({e.strerror}); "
-                               "pass another --port (0 picks a free one)") from None
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-class ChildProcess:
-    """One child in its own process group, logging to a file, with a health URL."""
-
-    def __init__(self, name: str, argv: list[str], url: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.name, self.argv, self.url, self.log_path = name, argv, url, log_path
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def exit_code(self) -> int | None:
-        """None while running (or never started)."""
-        return self.process.poll() if self.process is not None else None
-
-    def is_healthy(self, timeout: float = 2.0) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=timeout, trust_env=False).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def log_tail(self, num_lines: int = 25) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-num_lines:]) or "(empty log)"
-
-    def signal_group(self, sig: int) -> None:
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, sig)  # the child's pid is its group id (own session)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def stop_children(children: list[ChildProcess], grace_period: float) -> None:
-    """SIGTERM every child's group, wait up to `grace_period`, then SIGKILL what is left."""
-    for child in children:
-        if child.exit_code() is None:
-            child.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + grace_period
-    for child in children:
-        if child.process is None:
-            continue
-        try:
-            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for child in children:
-        child.signal_group(signal.SIGKILL)  # the leader if hung, and any straggler in its group
-        if child.process is not None:
-            child.process.wait()
+    problem = busy_port_error(host, port)
+    if problem is not None:
+        raise ClusterError(problem)
 
 
 def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
                tensor_parallel_size: int = 1, device_args: tuple[str, ...] = (),
-               events_config: dict[str, Any] | None = None) -> list[str]:
+               events_config: dict[str, Any] | None = None, data_parallel_size: int = 1) -> list[str]:
     """One instance's `kvrelay serve` command line; `device_args`: its Placement's flags."""
     argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
     if spec.model:
@@ -258,6 +191,8 @@ def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
         argv += ["--kv-events-config", json.dumps(events_config)]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if data_parallel_size != 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
     return argv + list(device_args)
 
 
@@ -266,27 +201,6 @@ def kv_events_config(events_dir: Path, name: str) -> dict[str, Any]:
     directory (local by construction), which the proxy finds through the instance's /kv_events."""
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{events_dir}/{name}.pub",
             "replay_endpoint": f"ipc://{events_dir}/{name}.replay", "topic": "kv-events"}
-
-
-def wait_healthy(children: list[ChildProcess], timeout_s: float) -> None:
-    """Block until every child answers /health; ClusterError (with its log) if one exits first
-    or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(children)
-    while pending:
-        for child in list(pending):
-            code = child.exit_code()
-            if code is not None:
-                raise ClusterError(f"{child.name} exited with code {code} while starting; "
-                                   f"last lines of {child.log_path}:\n{child.log_tail()}")
-            if child.is_healthy():
-                pending.remove(child)
-        if pending and time.monotonic() > deadline:
-            tails = "\n".join(f"--- {c.name} ({c.log_path}):\n{c.log_tail()}" for c in pending)
-            raise ClusterError(f"not healthy after {timeout_s:.0f} s: "
-                               f"{', '.join(c.name for c in pending)}\n{tails}")
-        if pending:
-            time.sleep(0.25)
 
 
 @contextlib.contextmanager
@@ -353,7 +267,10 @@ class LocalCluster:
         atexit.register(self.stop)
         try:
             self._start()
-        except BaseException:  # a failed or interrupted start leaves nothing behind
+        except ClusterError as e:  # a failed start leaves no process behind, and keeps its logs
+            kept = self.stop(keep_logs=True)
+            raise ClusterError(f"{e}\n{_logs_note(kept)}") from None
+        except BaseException:  # an interrupted one leaves nothing behind
             self.stop()
             raise
 
@@ -362,7 +279,7 @@ class LocalCluster:
         if self.port == 0:
             self.port = free_port(spec.host)
         check_port_free(spec.host, self.port)
-        self.workdir = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
+        self.workdir = make_workdir()  # and the directories of launchers that were killed go
         self._log_dir = Path(spec.log_dir) if spec.log_dir else self.workdir / "logs"
         (self.workdir / "events").mkdir()
         self._plan = plan = connector_plan(spec, self.workdir, self.transfer_path)
@@ -374,21 +291,27 @@ class LocalCluster:
             for child in starting:
                 child.start()
             self._wait_healthy(starting)
-        proxy_argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy",
-                      "--host", spec.host, "--port", str(self.port),
-                      "--prefill", *(c.url for c in self.prefill), "--decode", *(c.url for c in self.decode),
-                      "--prefill-routing", spec.prefill_routing, "--decode-routing", spec.decode_routing]
-        if spec.model and "kv-aware" in (spec.prefill_routing, spec.decode_routing):
-            proxy_argv += ["--model", spec.model]  # its tokenizer hashes prompts
-        if plan.transfer_mode == "push":
-            proxy_argv += ["--transfer-mode", "push",
-                           "--prefill-kv", *(self.kv_addresses[c.name] for c in self.prefill)]
         # NOTE: the admin key travels in the environment, never in argv (ps shows argv).
-        env = {KV_ADMIN_ENV: spec.admin_key} if spec.admin_key else {}
-        proxy = ChildProcess("proxy", proxy_argv, self.url, self._log_dir / "proxy.log", env)
+        env = {**self._api_key_env(), **({KV_ADMIN_ENV: spec.admin_key} if spec.admin_key else {})}
+        push_to = [self.kv_addresses[c.name] for c in self.prefill] if plan.transfer_mode == "push" else None
+        argv = self.proxy_argv([c.url for c in self.prefill], [c.url for c in self.decode], push_to)
+        proxy = ChildProcess("proxy", argv, self.url, self._log_dir / "proxy.log", env)
         self.children.append(proxy)
         proxy.start()
         self._wait_healthy([proxy])
+
+    def proxy_argv(self, prefill: list[str], decode: list[str], push_to: list[str] | None) -> list[str]:
+        """The proxy's `kvrelay proxy` command line; `push_to`: push mode, P's side channels."""
+        spec = self.spec
+        argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "proxy", "--host", spec.host,
+                "--port", str(self.port), "--prefill", *prefill, "--decode", *decode,
+                "--prefill-routing", spec.prefill_routing, "--decode-routing", spec.decode_routing]
+        if "kv-aware" in (spec.prefill_routing, spec.decode_routing):  # its tokenizer hashes prompts
+            argv += ["--model", spec.model] if spec.model else []
+            argv += ["--chat-template", spec.chat_template] if spec.chat_template else []
+        if push_to is not None:
+            argv += ["--transfer-mode", "push", "--prefill-kv", *push_to]
+        return argv
 
     def _instance(self, placement: Placement, plan: ConnectorPlan, log_dir: Path) -> ChildProcess:
         """One `kvrelay serve` child: its own HTTP port, kv_port, engine id, device and (once the
@@ -398,14 +321,18 @@ class LocalCluster:
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
         kv_role = "kv_producer" if name.startswith("prefill") else "kv_consumer"
         offload = spec.offload if kv_role == "kv_consumer" else None
-        tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
-        kv_port = free_port_run(spec.host, tp)  # rank r listens on kv_port + r
+        prefill = kv_role == "kv_producer"
+        tp, dp = (spec.prefill_tp, spec.prefill_dp) if prefill else (spec.decode_tp, spec.decode_dp)
+        kv_port = free_port_run(spec.host, tp * dp)  # dp rank d, tp rank t listens on kv_port + d * tp + t
         self.kv_addresses[name] = f"{spec.host}:{kv_port}"
         config = kv_transfer_config(spec.connector, kv_role, engine_id, kv_port, plan, spec.host, offload)
-        env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads), **placement.env}
+        env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads), **placement.env, **self._api_key_env()}
         events = kv_events_config(self.workdir / "events", name) if self.workdir is not None else None
-        argv = serve_argv(spec, port, config, tp, placement.serve_args, events)
+        argv = serve_argv(spec, port, config, tp, placement.serve_args, events, dp)
         return ChildProcess(name, argv, f"http://{spec.host}:{port}", log_dir / f"{name}.log", env)
+
+    def _api_key_env(self) -> dict[str, str]:
+        return {API_KEY_ENV: self.spec.api_key} if self.spec.api_key else {}
 
     def start_instance(self, role: str) -> ChildProcess:
         """Start one more prefill or decode instance and wait until it is healthy (the caller
@@ -461,10 +388,11 @@ class LocalCluster:
                 self.stop_instance(child)
             time.sleep(poll_interval)
 
-    def stop(self) -> None:
-        """Stop every child and remove the temp directory. Idempotent."""
+    def stop(self, keep_logs: bool = False) -> Path | None:
+        """Stop every child and remove the temp directory. Idempotent. `keep_logs` (a failure):
+        the children's logs are kept; where they are (None: nowhere)."""
         if self._stopped:
-            return
+            return None
         self._stopped = True
         atexit.unregister(self.stop)
         # NOTE: a second Ctrl-C (or SIGTERM) must not interrupt the stop and strand children.
@@ -475,8 +403,19 @@ class LocalCluster:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            kept = self._log_dir if self.spec.log_dir else None
+            if keep_logs and kept is None and self._log_dir is not None:
+                kept = move_logs(self._log_dir)
             if self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+        return kept
+
+
+def _logs_note(kept: Path | None) -> str:
+    if kept is None:
+        return "(no instance wrote a log)"
+    names = ", ".join(sorted(p.name for p in kept.glob("*.log")))
+    return f"the logs of this start are kept in {kept}/ ({names})"
 
 
 def _in_main_thread() -> bool:

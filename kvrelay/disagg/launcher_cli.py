@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvrelay.disagg.proxy_cli import add_routing_args, routing_of
@@ -33,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="tensor-parallel size of each prefill instance (default 1)")
     p.add_argument("--decode-tp", type=int, default=1,
                    help="tensor-parallel size of each decode instance (default 1)")
+    p.add_argument("--prefill-dp", type=int, default=1,
+                   help="data-parallel ranks of each prefill instance, behind its one URL (default 1)")
+    p.add_argument("--decode-dp", type=int, default=1,
+                   help="data-parallel ranks of each decode instance, behind its one URL (default 1)")
     p.add_argument("--threads-per-instance", type=int, default=None,
                    help="torch threads per instance (default: the cores split evenly)")
     add_routing_args(p)
@@ -41,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                      help="serve an admin endpoint (key: env KVRELAY_ADMIN_KEY, else a new one, printed) "
                           "that starts, adds and drains instances: `kvrelay pool add|drain|list`")
     adm.add_argument("--admin-port", type=int, default=0, help="its port (default: any free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' from clients, as `kvrelay serve --api-key` "
+                        "(default: env KVRELAY_API_KEY); every instance requires it too. /health and "
+                        "/metrics stay open")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="keep the children's logs here")
     off = p.add_argument_group("offload tiers for the decode instances (OffloadConnector)")
@@ -98,29 +108,28 @@ def cmd_up(args: argparse.Namespace) -> int:
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,
                        threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
                        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
-                       offload=offload_config(args), prefill_tp=args.prefill_tp,
-                       decode_tp=args.decode_tp, kv_backend=args.kv_backend, device=engine_args.device,
+                       offload=offload_config(args), prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                       prefill_dp=args.prefill_dp, decode_dp=args.decode_dp,
+                       kv_backend=args.kv_backend, device=engine_args.device,
                        gpu_memory_utilization=engine_args.gpu_memory_utilization,
-                       prefill_routing=prefill_routing, decode_routing=decode_routing, admin_key=admin_key)
+                       prefill_routing=prefill_routing, decode_routing=decode_routing, admin_key=admin_key,
+                       api_key=args.api_key or env.api_key(), chat_template=args.chat_template)
     cluster = LocalCluster(spec)  # where each instance runs, or ValueError: nothing has started yet
 
     def on_sigterm(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    print(f"kvrelay up: starting {spec.num_prefill} prefill + {spec.num_decode} decode instance(s), "
-          f"{spec.threads} thread(s) each, connector {spec.connector} ...", flush=True)
-    for placement in cluster.placements:
-        print(f"  {placement.name:<10} on {placement.describe()}", flush=True)
-    if cluster.transfer_path is not None:
-        print(f"  KV transfer: {cluster.transfer_path.describe()}", flush=True)
+    print("\n".join(banner(cluster)), flush=True)
     admin = None
+    failed = False
     try:
         cluster.start()
         _print_ready(cluster)
         if admin_key is not None:
             admin = _start_admin(cluster, admin_key, args.admin_port, from_env=env.admin_key() is not None)
         dead = cluster.wait_for_exit(instances_may_exit=admin is not None)
+        failed = True
         print(f"kvrelay up: {dead.name} exited with code {dead.exit_code()}; stopping the cluster. "
               f"Last lines of its log:\n{dead.log_tail()}", file=sys.stderr, flush=True)
         return 1
@@ -133,8 +142,73 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         if admin is not None:
             admin.stop()
-        cluster.stop()
-        print("kvrelay up: stopped.", file=sys.stderr, flush=True)
+        kept = cluster.stop(keep_logs=failed)
+        where = f" The logs are kept in {kept}/." if failed and kept is not None else ""
+        print(f"kvrelay up: stopped.{where}", file=sys.stderr, flush=True)
+
+
+def banner(cluster: Any) -> list[str]:
+    """What `kvrelay up` is about to run: instances, how P and D are linked, where KV goes."""
+    spec = cluster.spec
+    lines = [f"kvrelay up: starting {spec.num_prefill} prefill + {spec.num_decode} decode instance(s), "
+             f"{spec.threads} thread(s) each ...",
+             f"  {'connector':<12} {_connector_line(spec, cluster.transfer_path)}",
+             f"  {'offload':<12} {_offload_line(spec.offload)}",
+             f"  {'routing':<12} prefill {spec.prefill_routing}, decode {spec.decode_routing}"
+             + (" (the proxy reads every instance's KV events)" if "kv-aware" in (
+                 spec.prefill_routing, spec.decode_routing) else "")]
+    if cluster.transfer_path is not None:
+        lines.append(f"  {'KV transfer':<12} {cluster.transfer_path.describe()}")
+    lines += [f"  {p.name:<12} on {p.describe()}" for p in cluster.placements]
+    return lines
+
+
+_HOW = {"NixlConnector": "pull: D reads P's blocks after P answered",
+        "NixlPushConnector": "push: P writes each layer into D's blocks while it computes",
+        "ExampleConnector": "P writes each prompt's KV to a shared directory, D reads it",
+        "SharedStorageConnector": "P writes each prompt's KV to a shared directory, D reads it"}
+
+
+def _connector_line(spec: Any, path: Any) -> str:
+    line = f"{spec.connector} ({_HOW.get(spec.connector, 'see docs/connectors.md')})"
+    if spec.connector not in ("NixlConnector", "NixlPushConnector"):
+        return line
+    if path is not None:
+        backend = path.backend
+    elif spec.kv_backend is not None:
+        backend = spec.kv_backend
+    else:
+        from kvrelay.kv_transfer.transport import default_transport
+        backend = default_transport()
+    return f"{line}, transport {backend}"
+
+
+def _offload_line(offload: dict[str, Any] | None) -> str:
+    if offload is None:
+        return "off (--offload: decode instances keep prefixes in CPU memory, on disk or in Redis)"
+    tiers = []
+    if "cpu_bytes" in offload:
+        tiers.append(f"cpu {offload['cpu_bytes']}")
+    if "disk_dir" in offload:
+        tiers.append(f"disk {offload['disk_dir']} ({offload.get('disk_bytes', 'default size')})")
+    if "remote_url" in offload:
+        tiers.append(f"remote {offload['remote_url']}")
+    return f"decode instances run MultiConnector(P/D connector, OffloadConnector: {', '.join(tiers)})"
+
+
+def kvrelay_command() -> str:
+    """How to run `kvrelay` from the shell that started this one: `kvrelay` when that is on the
+    PATH, else the script beside this Python (e.g. .venv/bin/kvrelay), else `python -m`."""
+    script = Path(sys.executable).parent / "kvrelay"
+    on_path = shutil.which("kvrelay")
+    if on_path is not None and (not script.exists() or Path(on_path).resolve() == script.resolve()):
+        return "kvrelay"
+    if script.exists():
+        try:
+            return str(script.relative_to(Path.cwd()))
+        except ValueError:
+            return str(script)
+    return f"{sys.executable} -m kvrelay.entrypoints.cli"
 
 
 def _start_admin(cluster: Any, admin_key: str, port: int, from_env: bool) -> Any:
@@ -143,18 +217,22 @@ def _start_admin(cluster: Any, admin_key: str, port: int, from_env: bool) -> Any
     admin = LauncherAdmin(cluster, admin_key, cluster.spec.host, port)
     admin.start()
     key_hint = "the key in KVRELAY_ADMIN_KEY" if from_env else f"export KVRELAY_ADMIN_KEY={admin_key}"
+    kvrelay = kvrelay_command()
     print(f"kvrelay up: admin endpoint {admin.url} ({key_hint})\n"
-          f"  kvrelay pool --admin-url {admin.url} add --role decode     # start one more decode instance\n"
-          f"  kvrelay pool --admin-url {admin.url} drain URL             # finish its work, then stop it\n"
-          f"  kvrelay pool --admin-url {admin.url} list", flush=True)
+          f"  {kvrelay} pool --admin-url {admin.url} add --role decode     # start one more decode instance\n"
+          f"  {kvrelay} pool --admin-url {admin.url} drain URL             # finish its work, then stop it\n"
+          f"  {kvrelay} pool --admin-url {admin.url} list", flush=True)
     return admin
 
 
 def _print_ready(cluster: Any) -> None:
     import httpx
 
+    key = cluster.spec.api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        model = httpx.get(cluster.url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
+        model = httpx.get(cluster.url + "/v1/models", headers=headers, timeout=10,
+                          trust_env=False).json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
         model = "default"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is a KV cache?"}],
@@ -162,9 +240,10 @@ def _print_ready(cluster: Any) -> None:
     lines = [f"kvrelay up: ready at {cluster.url}  (model {model})"]
     for child in cluster.children:
         lines.append(f"  {child.name:<10} {child.url}  pid {child.pid}  log {child.log_path}")
-    lines += ["", "Try:",
-              f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+    auth = " -H \"Authorization: Bearer $KVRELAY_API_KEY\"" if key else ""
+    lines += ["", "Try:" + ("  (with KVRELAY_API_KEY set to the key in this shell)" if key else ""),
+              f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
               f"    -d '{body}'",
-              f"  kvrelay demo --url {cluster.url}",
+              f"  {kvrelay_command()} demo --url {cluster.url}",
               "", "Ctrl-C stops everything."]
     print("\n".join(lines), flush=True)

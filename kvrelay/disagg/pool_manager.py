@@ -3,33 +3,41 @@
     members    instances join (`add`: it must answer /health first) and leave (`drain`: no new
                legs, removed once nothing in flight needs it, including decode legs still
                reading a prefill instance's KV). At join the proxy asks what each one runs
-               (instance_info.py) and refuses one whose transfer mode is not its own: at start,
-               through `add`, or when it first answers a health check
-    health     every `health_interval` seconds each instance's /health is asked: a refused
-               connection or an error status takes it out of routing at once, so does a leg
-               that cannot connect; `health_timeouts_to_drop` checks without an answer in a
-               row too (a busy instance can be slow to answer). It comes back when it answers.
+               (instance_info.py, on the checks' connections) and refuses one whose transfer
+               mode is not its own: at start, through `add`, or when it first answers a check
+    health     every `health_interval` seconds each instance's /health is asked, on a
+               connection of its own: a refused connection or an error status takes it out of
+               routing at once, so does a leg that cannot connect; timeouts count as far as it
+               looks dead (kvrelay.disagg.health: bytes on its legs are proof of life). It comes
+               back when it answers. A request that finds no active instance of a role asks
+               the down ones again first (`choose`).
     KV index   with a kv-aware policy, each instance's KV events are followed: where it
                publishes comes from the admin API or, for kvrelay instances, from its
-               GET /kv_events; its index starts empty when it joins or comes back.
+               GET /kv_events; its index starts empty when it joins or comes back. An instance
+               with data-parallel ranks has a stream and an index entry per rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from kvrelay.disagg.backends import Backend, BackendPool, InstanceState
+from kvrelay.disagg.backends import Backend, BackendPool, InstanceState, NoInstanceError
+from kvrelay.disagg.connections import Connections, checks_client, origin
+from kvrelay.disagg.health import CheckResult, DownCause, check_health, failure_reason, timeout_weight
 from kvrelay.disagg.instance_info import TransferModeError, fetch_instance_info, mismatch, refusal
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.push_mode import check_push_config
-from kvrelay.disagg.routing.kv_index import KVIndex
-from kvrelay.disagg.routing.policies import create_policy
+from kvrelay.disagg.routing.kv_index import KVIndex, rank_key
+from kvrelay.disagg.routing.policies import Decision, create_policy
+from kvrelay.disagg.routing.prompt import PromptBlocks
 from kvrelay.kv_events.subscriber import KVEventSubscriber, StreamAddress
 
 logger = logging.getLogger(__name__)
@@ -48,8 +56,11 @@ class PoolManager:
                                          config.prefill_kv_addresses)
         for backend in self.prefill.backends:
             backend.kv_address = kv_addresses.get(backend.url)
-        self._client: httpx.AsyncClient | None = None
+        self._connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._rechecks: dict[str, asyncio.Future[list[str]]] = {}  # role -> the re-check running
+        self._by_origin: dict[str, Backend | None] = {}  # where leg bytes come from (note_bytes)
+        self.downs: Counter[tuple[str, str, str]] = Counter()  # (role, url, reason) -> mark-downs
 
     @property
     def pools(self) -> dict[str, BackendPool]:
@@ -65,8 +76,8 @@ class PoolManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, client: httpx.AsyncClient) -> None:
-        self._client = client
+    async def start(self, connections: Connections) -> None:
+        self._connections = connections
         await self.learn_instances()
         if self.index is not None and self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
@@ -76,9 +87,10 @@ class PoolManager:
             self._tasks.append(asyncio.ensure_future(self._health_loop()))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        pending: list[asyncio.Future[Any]] = [*self._tasks, *self._rechecks.values()]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         self._tasks.clear()
         if self.subscriber is not None:
             self.subscriber.close()
@@ -93,16 +105,18 @@ class PoolManager:
         pool = self.pools[role]
         url = url.rstrip("/")
         self._refuse_member(url)
-        healthy, error = await self.check(url)
-        if not healthy:
-            raise ConnectionError(f"{url} did not answer its health check: {error}")
-        info = await fetch_instance_info(self.client, url, self._auth_headers(), self.config.health_timeout)
+        result = await self.check(url)
+        if not result.healthy:
+            raise ConnectionError(f"{url} did not answer its health check: {result.error}")
+        info = await fetch_instance_info(self.connections.checks, url, self._auth_headers(),
+                                         self.config.health_timeout)
         problem = mismatch(role, url, info, self.config.transfer_mode) if info else None
         if problem is not None:
             raise TransferModeError(refusal([problem], self.config.transfer_mode, joining=True))
         self._refuse_member(url)  # again: another add may have won while we waited
         backend = pool.add(url, kv_address=kv_address, events=events)
         backend.info = info
+        self._by_origin.clear()
         if await self._track_index(backend):
             _say_no_events([url])
         logger.info("%s instance %s joined the pool", role, url)
@@ -136,10 +150,12 @@ class PoolManager:
         for pool in self.pools.values():
             for backend in pool.remove_idle_drained():
                 self._untrack_index(backend)
+                self._by_origin.clear()
                 logger.info("%s instance %s left the pool", backend.role, backend.url)
 
     async def learn_instances(self, client: httpx.AsyncClient | None = None) -> None:
-        """Ask every member what it runs. TransferModeError naming each one that runs another
+        """Ask every member what it runs (with `client`, else the checks' connections: a
+        question the proxy asks on its own). TransferModeError naming each one that runs another
         transfer mode than this proxy; one that does not answer is asked again when it does."""
         answers = await asyncio.gather(*(self._learn(b, client) for b in self.members()))
         problems = [problem for problem in answers if problem is not None]
@@ -147,8 +163,8 @@ class PoolManager:
             raise TransferModeError(refusal(problems, self.config.transfer_mode))
 
     async def _learn(self, backend: Backend, client: httpx.AsyncClient | None = None) -> str | None:
-        info = await fetch_instance_info(client or self.client, backend.url, self._auth_headers(),
-                                         self.config.health_timeout)
+        info = await fetch_instance_info(client or self.connections.checks, backend.url,
+                                         self._auth_headers(), self.config.health_timeout)
         if info is None:
             return None
         backend.info = info
@@ -160,37 +176,81 @@ class PoolManager:
         if backend.state is not InstanceState.DRAINING:
             self.pools[backend.role].drain(backend.url)
 
-    def mark_down(self, backend: Backend, error: str) -> None:
-        """A leg could not reach `backend`: out of routing until a health check answers."""
-        if backend.state is InstanceState.ACTIVE:
-            logger.warning("%s instance %s is down (%s)", backend.role, backend.url, error)
-            backend.state = InstanceState.DOWN
+    def mark_down(self, backend: Backend, cause: DownCause) -> None:
+        """Out of routing until a health check answers; logged with its cause, counted by reason."""
+        if backend.state is not InstanceState.ACTIVE:
+            return
+        backend.state = InstanceState.DOWN
+        self.downs[(backend.role, backend.url, cause.reason)] += 1
+        logger.warning("%s instance %s is down: %s", backend.role, backend.url, cause.describe())
+
+    def leg_failed(self, backend: Backend, leg: str, error: httpx.TransportError) -> None:
+        """A leg to `backend` failed after its one stale-connection retry (connections.py). Only
+        a refused connection, always a fresh one, takes the instance out; the rest is the leg's
+        error alone (the health checks judge the instance)."""
+        if isinstance(error, httpx.ConnectError):
+            self.mark_down(backend, DownCause(failure_reason(error), repr(error), leg, reused=False,
+                                              failed_checks=backend.health_failures))
+
+    def note_bytes(self, source: str) -> None:
+        """Bytes arrived on a leg from `source` (an origin, connections.py): proof of life."""
+        if source not in self._by_origin:
+            self._by_origin = {origin(b.url): b for b in self.members()}
+            self._by_origin.setdefault(source, None)  # no member there (any more): ask once
+        backend = self._by_origin[source]
+        if backend is not None:
+            backend.last_bytes_at = time.monotonic()
+
+    async def choose(self, role: str, prompt: PromptBlocks | None = None) -> Decision:
+        """The role's pool's pick. When no instance of it is active, the down ones are asked
+        again first (one failure must not leave a role empty); NoInstanceError names each one
+        tried and why it is still out."""
+        pool = self.pools[role]
+        try:
+            return pool.choose(prompt)
+        except NoInstanceError:
+            pass
+        tried = await self.recheck(role)
+        try:
+            return pool.choose(prompt)
+        except NoInstanceError as e:
+            detail = f"; re-checked just now: {', '.join(tried)}" if tried else ""
+            raise NoInstanceError(f"{e}{detail}") from None
+
+    async def recheck(self, role: str) -> list[str]:
+        """Health-check every down instance of `role` now (concurrent callers share one round);
+        those that answer are back. Returns "url (why)" for each one still out."""
+        running = self._rechecks.get(role)
+        if running is None or running.done():
+            running = self._rechecks[role] = asyncio.ensure_future(self._recheck(role))
+        return await asyncio.shield(running)
+
+    async def _recheck(self, role: str) -> list[str]:
+        down = [b for b in self.pools[role].backends if b.state is InstanceState.DOWN]
+        started = time.monotonic()
+        results = await asyncio.gather(*(self.check(b.url) for b in down))
+        for backend, result in zip(down, results, strict=True):
+            await self._apply_check(backend, result, started)
+        return [f"{b.url} ({r.error})" for b, r in zip(down, results, strict=True) if not r.healthy]
 
     # ------------------------------------------------------------------ health
 
-    async def check(self, url: str) -> tuple[bool, str | None]:
-        """(healthy, why not): one GET /health."""
-        try:
-            response = await self.client.get(url + "/health", timeout=self.config.health_timeout,
-                                             headers=self._auth_headers())
-        except httpx.TimeoutException:
-            return False, "timeout"
-        except httpx.TransportError as e:
-            return False, f"unreachable: {e!r}"
-        if response.status_code != 200:
-            return False, f"HTTP {response.status_code}"
-        return True, None
+    async def check(self, url: str) -> CheckResult:
+        """One GET /health, on a connection of its own."""
+        return await check_health(self.connections.checks, url, self.config.health_timeout,
+                                  self._auth_headers())
 
     async def check_all(self) -> None:
         backends = list(self.members())
+        started = time.monotonic()
         results = await asyncio.gather(*(self.check(b.url) for b in backends))
-        for backend, (healthy, error) in zip(backends, results, strict=True):
-            await self._apply_check(backend, healthy, error)
+        for backend, result in zip(backends, results, strict=True):
+            await self._apply_check(backend, result, started)
         self.reap()
 
-    async def _apply_check(self, backend: Backend, healthy: bool, error: str | None) -> None:
-        if healthy:
-            backend.health_failures = 0
+    async def _apply_check(self, backend: Backend, result: CheckResult, started: float) -> None:
+        if result.healthy:
+            backend.health_failures, backend.missed_checks = 0, 0.0
             if backend.info is None or backend.state is InstanceState.DOWN:  # new, or maybe restarted
                 problem = await self._learn(backend)
                 if problem is not None:
@@ -205,9 +265,17 @@ class PoolManager:
                 await self._track_index(backend)  # it did not say where it publishes: ask again
             return
         backend.health_failures += 1
-        timed_out = error == "timeout"
-        if not timed_out or backend.health_failures >= self.config.health_timeouts_to_drop:
-            self.mark_down(backend, error or "unhealthy")
+        if result.reason == "timeout":
+            weight = timeout_weight(backend, started, self.config.health_interval)
+            backend.missed_checks = backend.missed_checks + weight if weight else 0.0
+            if backend.missed_checks < self.config.health_timeouts_to_drop:
+                logger.info("%s instance %s: health check timed out (%d in a row; counted %.1f of %d)",
+                            backend.role, backend.url, backend.health_failures, backend.missed_checks,
+                            self.config.health_timeouts_to_drop)
+                return
+        cause = DownCause(result.reason or "unhealthy", result.error or "unhealthy", "health check",
+                          reused=False, failed_checks=backend.health_failures)
+        self.mark_down(backend, cause)
 
     async def _health_loop(self) -> None:
         while True:
@@ -226,43 +294,52 @@ class PoolManager:
             return False
         block_size = None
         if backend.events is None:
-            backend.events, block_size = await self._discover_events(backend.url)
+            backend.events, block_size, backend.rank_events = await self._discover_events(backend.url)
             if backend.events is None and self.index.status(backend.url).reason == "no events endpoint":
                 return False  # asked before, still nothing: keep the entry (and the log quiet)
         self.index.track(backend.url, subscribed=backend.events is not None, block_size=block_size)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
+        for dp_rank, address in backend.rank_events.items():  # (instance, rank): one entry each
+            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=block_size)
+            self.subscriber.add(rank_key(backend.url, dp_rank), address)
         return backend.events is None
 
     def _untrack_index(self, backend: Backend) -> None:
         if self.index is not None and self.subscriber is not None:
-            self.subscriber.remove(backend.url)
-            self.index.forget(backend.url)
+            for key in backend.index_keys:
+                self.subscriber.remove(key)
+                self.index.forget(key)
 
-    async def _discover_events(self, url: str) -> tuple[StreamAddress | None, int | None]:
-        """Where a kvrelay instance publishes (GET /kv_events); (None, None) if it does not say."""
+    async def _discover_events(self, url: str
+                               ) -> tuple[StreamAddress | None, int | None, dict[int, StreamAddress]]:
+        """Where a kvrelay instance publishes (GET /kv_events), its block size, and where its
+        data-parallel ranks above 0 publish, if it has some; (None, None, {}) if it does not say."""
         try:
-            response = await self.client.get(url + "/kv_events", timeout=self.config.health_timeout,
-                                             headers=self._auth_headers())
+            response = await self.connections.checks.get(
+                url + "/kv_events", timeout=self.config.health_timeout, headers=self._auth_headers())
             answer = response.json() if response.status_code == 200 else {}
         except (httpx.HTTPError, ValueError):
             answer = {}
         if not isinstance(answer, dict) or not answer.get("enabled") or not answer.get("endpoint"):
-            return None, None
+            return None, None, {}  # the caller says so (_say_no_events)
         host = urlsplit(url).hostname or "127.0.0.1"
+        topic = answer.get("topic") or ""
         replay = answer.get("replay_endpoint")
         address = StreamAddress(connectable(answer["endpoint"], host),
-                                connectable(replay, host) if replay else None, answer.get("topic") or "")
+                                connectable(replay, host) if replay else None, topic)
         block_size = answer.get("block_size")
-        return address, block_size if isinstance(block_size, int) else None
+        ranks = _rank_streams(answer.get("ranks"), host, topic)
+        return (address, block_size if isinstance(block_size, int) else None,
+                {rank: stream for rank, stream in ranks.items() if stream.endpoint != address.endpoint})
 
     # ------------------------------------------------------------------ helpers
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def connections(self) -> Connections:
+        if self._connections is None:
             raise RuntimeError("PoolManager.start() was not called")
-        return self._client
+        return self._connections
 
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -288,7 +365,8 @@ class PoolManager:
 async def check_instances(config: ProxyConfig) -> None:
     """What `kvrelay proxy` asks before it serves: TransferModeError if an instance runs another
     transfer mode (the app's start asks again, for those who build it themselves)."""
-    async with httpx.AsyncClient(trust_env=False) as client:
+    timeout = httpx.Timeout(config.decode_timeout, connect=config.connect_timeout)
+    async with checks_client(config.max_connections, timeout) as client:
         await PoolManager(config).learn_instances(client)
 
 
@@ -302,6 +380,20 @@ def _say_no_events(urls: list[str]) -> None:
                 "vLLM instance needs the same flag and its endpoint given to the admin API (docs/routing.md)",
                 ", ".join(urls),
                 "it publishes" if len(urls) == 1 else "they publish")
+
+
+def _rank_streams(ranks: Any, host: str, topic: str) -> dict[int, StreamAddress]:
+    """The streams of an instance's data-parallel ranks above 0, from its /kv_events "ranks"
+    (the caller drops the one it follows as the instance's own: a rank served alone)."""
+    streams: dict[int, StreamAddress] = {}
+    for entry in ranks if isinstance(ranks, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        dp_rank, endpoint, replay = entry.get("dp_rank"), entry.get("endpoint"), entry.get("replay_endpoint")
+        if isinstance(dp_rank, int) and dp_rank > 0 and isinstance(endpoint, str):
+            replay_address = connectable(replay, host) if isinstance(replay, str) else None
+            streams[dp_rank] = StreamAddress(connectable(endpoint, host), replay_address, topic)
+    return streams
 
 
 def connectable(endpoint: str, host: str) -> str:

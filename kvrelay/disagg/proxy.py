@@ -23,10 +23,13 @@ client's n and its choices share the loaded KV through its prefix cache. A list 
 Both legs carry the same request id (body `request_id`, header `X-Request-Id`; `<id>-<k>` for
 prompt k of a list). When the prefill leg cannot help (no P, P down, slow, erroring, or
 answering without kv_transfer_params) the client's body goes to D alone and D prefills locally:
-a fallback, counted in /metrics by reason. What the client got wrong is not a fallback: P's 4xx
-for it is the client's answer, and a max_tokens D's context cannot hold is refused before P
-computes (client_errors.py). A decode leg that cannot connect is sent to another D. A client
-that disconnects closes the decode leg, which aborts the request on D.
+a fallback, counted in /metrics by reason (the leg itself: prefill_leg.py). What the client got
+wrong is not a fallback: P's 4xx for it is the client's answer, and a max_tokens D's context
+cannot hold is refused before P computes (client_errors.py). A decode leg that cannot connect is
+sent to another D. A client that disconnects closes the decode leg, which aborts the request on
+D. A leg that went out on a stale keep-alive connection is sent again on a fresh one
+(connections.py), and a request that finds every instance of a role down asks them again before
+giving up on it.
 
 The field names are vLLM's, so the proxy also fronts vLLM instances.
 """
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -46,10 +48,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvrelay.disagg import prefill_answer, prompt_list, proxy_lists
+from kvrelay.disagg import prefill_answer, prefill_leg, prompt_list, proxy_lists
 from kvrelay.disagg.admin import AdminAPI, add_admin_routes
 from kvrelay.disagg.backends import Backend, NoInstanceError
-from kvrelay.disagg.client_errors import context_refusal, is_client_error, passed_on
+from kvrelay.disagg.client_errors import context_refusal, passed_on
+from kvrelay.disagg.connections import Connections
 from kvrelay.disagg.legs import (
     PREFILL_KV_TRANSFER_PARAMS,
     REQUEST_ID_HEADER,
@@ -62,7 +65,7 @@ from kvrelay.disagg.legs import (
 from kvrelay.disagg.pool_manager import PoolManager
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
-from kvrelay.disagg.push_mode import push_decode_params, push_prefill_params
+from kvrelay.disagg.push_mode import push_decode_params
 from kvrelay.disagg.routing import Decision, PromptBlocks, PromptReader
 from kvrelay.entrypoints.openai_errors import APIError, add_error_handlers, read_json_object
 
@@ -70,6 +73,7 @@ __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "DisaggProxy", "ProxyConfig", "build_ap
            "prefill_body"]
 
 logger = logging.getLogger(__name__)
+
 
 class DisaggProxy:
     """State shared by every request: the pools, one HTTP client, the metrics."""
@@ -82,22 +86,23 @@ class DisaggProxy:
         self.metrics.watch_pools(self.manager)
         self.prompts = PromptReader.for_model(config.model, config.tokenizer) if config.kv_aware \
             else PromptReader(None)
-        self._client: httpx.AsyncClient | None = None
+        self._connections: Connections | None = None
         self._prefill_tasks: set[asyncio.Task[None]] = set()  # push mode: legs nobody awaits
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=self.config.max_connections,
-                              max_keepalive_connections=min(64, self.config.max_connections))
         timeout = httpx.Timeout(self.config.decode_timeout, connect=self.config.connect_timeout)
-        # NOTE: no env proxies (trust_env=False): legs go straight to the loopback backends.
-        self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        self._connections = Connections(
+            self.config.max_connections, self.config.keepalive_expiry, timeout,
+            on_bytes=self.manager.note_bytes,
+            on_stale=lambda source: self.metrics.stale_retries.labels(backend=source).inc())
         try:
-            await self.manager.start(self._client)
+            await self.manager.start(self._connections)
         except BaseException:  # an instance refused (another transfer mode): nothing is left open
             await self.close()
             raise
         urls = [b.url for b in self.manager.members()]
-        if not await self.prompts.agrees_with(self._client, urls, self.headers("kvrelay-tokenizer-check"),
+        probe_headers = self.headers("kvrelay-tokenizer-check")
+        if not await self.prompts.agrees_with(self.connections.checks, urls, probe_headers,
                                               self.config.health_timeout):
             self.prompts = PromptReader(None)
 
@@ -106,15 +111,26 @@ class DisaggProxy:
             task.cancel()
         await asyncio.gather(*self._prefill_tasks, return_exceptions=True)
         await self.manager.close()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._connections is not None:
+            await self._connections.aclose()
+            self._connections = None
+
+    @property
+    def connections(self) -> Connections:
+        if self._connections is None:
+            raise RuntimeError("DisaggProxy.start() was not called (the app's lifespan runs it)")
+        return self._connections
 
     @property
     def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("DisaggProxy.start() was not called (the app's lifespan runs it)")
-        return self._client
+        """The pooled client (keep-alive connections, shared by the legs)."""
+        return self.connections.pooled
+
+    async def post(self, url: str, body: dict[str, Any], headers: dict[str, str],
+                   stream: bool = False) -> httpx.Response:
+        """POST a leg through the pool (a stale pooled connection is retried on a fresh one)."""
+        request = self.client.build_request("POST", url, json=body, headers=headers)
+        return await self.connections.send(request, stream=stream)
 
     def headers(self, request_id: str, client_headers: httpx.Headers | None = None) -> dict[str, str]:
         headers = {REQUEST_ID_HEADER: request_id, "Accept-Encoding": "identity"}
@@ -190,122 +206,20 @@ class DisaggProxy:
         """D's kv_transfer_params: after P's answer (pull), or at once with P's leg started
         beside D's (push: D's leg goes out first, when the caller opens it)."""
         try:
-            decision = self.prefill.choose(prompt)
-        except NoInstanceError:
+            decision = await self.manager.choose("prefill", prompt)
+        except NoInstanceError as e:
             self.metrics.fallbacks.labels(reason="no_prefill_instance").inc()
-            logger.warning("request %s: no active prefill instance; decoding on D alone", request_id)
+            logger.warning("request %s: %s; decoding on D alone", request_id, e)
             return Prefilled(None)
         self.count_decision("prefill", decision)
         if self.config.transfer_mode == "pull":
-            return await self._prefill(decision, route, body, request_id, headers, prompt)
+            return await prefill_leg.pull(self, decision, route, body, request_id, headers, prompt)
         self.prefill.start_leg(decision)
-        task = asyncio.ensure_future(self._push_prefill_leg(decision, route, body, request_id, headers))
+        task = asyncio.ensure_future(prefill_leg.push(self, decision, route, body, request_id, headers))
         self._prefill_tasks.add(task)
         task.add_done_callback(self._prefill_tasks.discard)
         assert decision.backend.kv_address is not None  # PoolManager/admin insist on it in push mode
         return Prefilled(push_decode_params(request_id, decision.backend.kv_address))
-
-    async def _push_prefill_leg(self, decision: Decision, route: str, body: dict[str, Any], request_id: str,
-                                headers: dict[str, str]) -> None:
-        """P's leg of a push; its answer is discarded. A failure is D's to recover from."""
-        backend = decision.backend
-        try:
-            leg = {**prefill_body(body, request_id), "kv_transfer_params": push_prefill_params(request_id)}
-            with self.metrics.prefill_seconds.time():
-                response = await asyncio.wait_for(
-                    self.client.post(backend.url + route, json=leg, headers=headers),
-                    timeout=self.config.prefill_timeout)
-            outcome = "ok" if response.status_code == 200 else f"http_{response.status_code}"
-            if is_client_error(response):  # D, sent the same body, answers the client with it
-                outcome = "client_error"
-                self.count_client_error("prefill", response.status_code)
-        except (TimeoutError, httpx.TimeoutException):
-            outcome = "timeout"
-        except httpx.TransportError:
-            outcome = "unreachable"
-        finally:
-            self.prefill.end_leg(decision)
-            self.manager.reap()
-        self.metrics.legs.labels(leg="prefill", backend=backend.url,
-                                 outcome=outcome if outcome in ("ok", "client_error") else "fallback").inc()
-        if outcome not in ("ok", "client_error"):
-            self.metrics.fallbacks.labels(reason=outcome).inc()
-            logger.warning("request %s: push prefill leg to %s gave %s; D prefills alone once it sees "
-                           "no progress", request_id, backend.url, outcome)
-
-    async def _prefill(self, decision: Decision, route: str, body: dict[str, Any], request_id: str,
-                       headers: dict[str, str], prompt: PromptBlocks) -> Prefilled:
-        """Run the prefill leg on the chosen P; a fallback (no params) is counted by reason."""
-        backend = decision.backend
-        index = self.manager.index
-        started_at = time.monotonic()
-        self.prefill.start_leg(decision)
-        if index is not None:
-            index.expect(backend.url, request_id, prompt)
-        try:
-            with self.metrics.prefill_seconds.time():
-                outcome, answer, refusal = await self._post_prefill(backend, route, body, request_id, headers)
-        finally:
-            self.prefill.end_leg(decision)
-        prompt_tokens, cached = _usage_tokens(answer)
-        if index is not None:
-            index.settle(backend.url, request_id, started_at, prompt_tokens, cached)
-        if index is not None and decision.predicted_hit_tokens is not None and cached is not None:
-            # NOTE: cached_tokens counts tier loads too (vLLM's count), which may end in a
-            # partial block; a prediction counts full blocks.
-            actual = index.whole_blocks(backend.url, cached)
-            self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, actual)
-        self.manager.reap()
-        if refusal is not None:
-            self.metrics.legs.labels(leg="prefill", backend=backend.url, outcome="client_error").inc()
-            self.count_client_error("prefill", refusal.status_code)
-            logger.info("request %s: prefill instance %s refused it with %d: the client's answer, no decode "
-                        "leg", request_id, backend.url, refusal.status_code)
-            return Prefilled(None, refusal=refusal)
-        return self._prefill_result(backend, outcome, answer, body, request_id)
-
-    def _prefill_result(self, backend: Backend, outcome: str, answer: dict[str, Any] | None,
-                        body: dict[str, Any], request_id: str) -> Prefilled:
-        if answer is not None and prefill_answer.can_answer_from_prefill(body, answer):
-            self.metrics.legs.labels(leg="prefill", backend=backend.url, outcome="final").inc()
-            return Prefilled(None, final_answer=answer)
-        params = answer.get("kv_transfer_params") if answer is not None else None
-        if not isinstance(params, dict) or not params:
-            params = None
-            outcome = "no_kv_transfer_params" if outcome == "ok" else outcome
-        self.metrics.legs.labels(leg="prefill", backend=backend.url,
-                                 outcome="ok" if params is not None else "fallback").inc()
-        if params is None:
-            self.metrics.fallbacks.labels(reason=outcome).inc()
-            log = logger.info if outcome == "no_kv_transfer_params" else logger.warning
-            log("request %s: prefill leg to %s gave %s; decoding on D alone", request_id, backend.url,
-                outcome)
-            return Prefilled(None)
-        return Prefilled(params, source=backend)
-
-    async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
-                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None, Response | None]:
-        """(outcome, P's answer, P's refusal): the answer is None unless P answered 200 with a
-        JSON object; the refusal is P's answer to a client error, passed on as it is."""
-        try:
-            response = await asyncio.wait_for(
-                self.client.post(backend.url + route, json=prefill_body(body, request_id), headers=headers),
-                timeout=self.config.prefill_timeout)
-        except (TimeoutError, httpx.TimeoutException):
-            return "timeout", None, None
-        except httpx.TransportError as e:
-            if isinstance(e, httpx.ConnectError):
-                self.manager.mark_down(backend, repr(e))
-            return "unreachable", None, None
-        if is_client_error(response):
-            return "client_error", None, passed_on(response, request_id)
-        if response.status_code != 200:
-            return f"http_{response.status_code}", None, None
-        try:
-            answer = response.json()
-        except ValueError:
-            return "bad_response", None, None
-        return ("ok", answer, None) if isinstance(answer, dict) else ("bad_response", None, None)
 
     # ------------------------------------------------------------------ decode leg
 
@@ -313,29 +227,29 @@ class DisaggProxy:
                           prompt: PromptBlocks, source: Backend | None) -> DecodeLeg | Response:
         """Send a decode leg: the open leg, or the Response to answer with when no D can take it
         (D's own errors pass through unchanged). A D that refuses the connection is marked down
-        and the leg goes to another one (nothing was sent, so nothing runs twice)."""
+        and the leg goes to another one (nothing was sent, so nothing runs twice). With every D
+        down, they are asked again first; the 503 names each one tried."""
         last_error: Exception | None = None
         for _ in range(max(1, len(self.decode.backends))):
             try:
-                decision = self.decode.choose(prompt)
+                decision = await self.manager.choose("decode", prompt)
             except NoInstanceError as e:
                 self.metrics.errors.labels(kind="no_decode_instance").inc()
                 return openai_error(503, f"{e}; retry later" if last_error is None else
-                                    f"every decode instance is unreachable (last: {last_error!r})")
+                                    f"every decode instance is unreachable (last: {last_error!r}); {e}")
             self.count_decision("decode", decision)
             self.decode.start_leg(decision)
             if source is not None:
                 source.readers += 1
             try:
-                upstream = await self.client.send(self.client.build_request(
-                    "POST", decision.backend.url + route, json=body, headers=headers), stream=True)
+                upstream = await self.post(decision.backend.url + route, body, headers, stream=True)
             except httpx.TransportError as e:
                 self._end_decode(decision, source, "error")
                 self.metrics.errors.labels(kind="decode_unreachable").inc()
                 logger.warning("request %s: decode leg to %s failed: %r", request_id, decision.backend.url, e)
                 if not isinstance(e, httpx.ConnectError):
                     return openai_error(502, f"decode instance {decision.backend.url} is unreachable: {e!r}")
-                self.manager.mark_down(decision.backend, repr(e))
+                self.manager.leg_failed(decision.backend, "decode leg", e)
                 last_error = e
                 continue
             leg = DecodeLeg(decision, upstream, source)
@@ -398,13 +312,13 @@ class DisaggProxy:
     async def models(self, request: Request) -> Response:
         """GET /v1/models, answered by a decode instance."""
         try:
-            backend = self.decode.pick()
+            backend = (await self.manager.choose("decode")).backend
         except NoInstanceError as e:
             return openai_error(503, str(e))
         headers = self.headers(f"kvrelay-{uuid.uuid4().hex}", httpx.Headers(dict(request.headers)))
         try:
-            upstream = await self.client.get(backend.url + "/v1/models", headers=headers,
-                                             timeout=self.config.health_timeout * 5)
+            upstream = await self.connections.send(self.client.build_request(
+                "GET", backend.url + "/v1/models", headers=headers, timeout=self.config.health_timeout * 5))
         except httpx.TransportError as e:
             self.metrics.errors.labels(kind="decode_unreachable").inc()
             return openai_error(502, f"decode instance {backend.url} is unreachable: {e!r}")
@@ -424,24 +338,12 @@ class DisaggProxy:
     async def _check(self, backend: Backend) -> dict[str, Any]:
         report: dict[str, Any] = {"url": backend.url, "healthy": False, "in_flight": backend.in_flight,
                                   "state": backend.state.value}
-        healthy, error = await self.manager.check(backend.url)
-        report["healthy"] = healthy
-        if error is not None:
-            report["error"] = error
-        self.metrics.backend_up.labels(backend=backend.url).set(1 if healthy else 0)
+        result = await self.manager.check(backend.url)
+        report["healthy"] = result.healthy
+        if result.error is not None:
+            report["error"] = result.error
+        self.metrics.backend_up.labels(backend=backend.url).set(1 if result.healthy else 0)
         return report
-
-
-def _usage_tokens(answer: dict[str, Any] | None) -> tuple[int | None, int | None]:
-    """P's usage: its prompt tokens, and the prefix of them its cache served."""
-    usage = answer.get("usage") if answer is not None else None
-    if not isinstance(usage, dict):
-        return None, None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt_tokens = usage.get("prompt_tokens")
-    return (prompt_tokens if isinstance(prompt_tokens, int) else None,
-            cached if isinstance(cached, int) else None)
 
 
 def build_app(config: ProxyConfig) -> FastAPI:

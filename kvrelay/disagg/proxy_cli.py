@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
+from kvrelay.utils import busy_port_error
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="API key the backends require (sent as Bearer)")
+    p.add_argument("--api-key", default=None,
+                   help="API key the backends require, sent as Bearer (default: env KVRELAY_API_KEY, which "
+                        "clients must then send too, as to `kvrelay serve`; /health and /metrics stay open)")
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="seconds before a prefill leg is given up and D prefills alone (default 60)")
     p.add_argument("--transfer-mode", choices=("pull", "push"), default="pull",
@@ -48,12 +52,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--model", default=None,
                    help="kv-aware routing: the model whose tokenizer hashes prompts, as given to "
                         "`kvrelay serve` (default: serve's default model); no weights are loaded")
+    p.add_argument("--chat-template", default=None,
+                   help="kv-aware routing: the --chat-template the instances run (a file, or the template), "
+                        "so the proxy renders chat prompts as they do")
     p.add_argument("--admin-key", default=None,
                    help="turn the admin API on (/admin/instances: add and drain instances) with this key "
                         "(default: env KVRELAY_ADMIN_KEY; unset: the admin API is off)")
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of every instance; one that fails leaves routing "
                         "until it answers again (default 2; 0: no checks)")
+    p.add_argument("--keepalive-expiry", type=float, default=2.0,
+                   help="seconds an idle connection to an instance is kept for the next leg; keep it "
+                        "below the instances' keep-alive timeout (uvicorn, vLLM and kvrelay serve: 5 s) "
+                        "(default 2)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.set_defaults(func=cmd_proxy)
 
@@ -70,14 +81,24 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     if args.prefill_timeout <= 0:
         raise ValueError(f"--prefill-timeout must be > 0, got {args.prefill_timeout}")
+    busy = busy_port_error(args.host, args.port)  # before the tokenizer loads (kv-aware routing)
+    if busy is not None:
+        raise ValueError(busy)
     prefill_routing, decode_routing = routing_of(args)
+    client_key = env.api_key()
+    tokenizer = _tokenizer_with_template(args.model, args.chat_template) if args.chat_template else None
     config = ProxyConfig(prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
-                         api_key=args.api_key, prefill_timeout=args.prefill_timeout,
+                         api_key=args.api_key or client_key, prefill_timeout=args.prefill_timeout,
                          transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv),
                          prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
-                         admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval)
+                         tokenizer=tokenizer,
+                         admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval,
+                         keepalive_expiry=args.keepalive_expiry)
     asyncio.run(check_instances(config))  # another transfer mode: one line, exit 2
-    app = build_app(config)
+    app: Any = build_app(config)
+    if client_key is not None:
+        from kvrelay.entrypoints.auth import RequireAPIKey
+        app = RequireAPIKey(app, client_key)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {' '.join(args.prefill)}  "
@@ -85,3 +106,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
           f"{'  admin API on' if config.admin_key else ''}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
+
+
+def _tokenizer_with_template(model: str | None, chat_template: str) -> Any:
+    """The model's tokenizer rendering chats with `chat_template` (as `serve --chat-template`)."""
+    from kvrelay.entrypoints.engine_args import EngineArgs
+    from kvrelay.model.loader import load_tokenizer
+
+    template = EngineArgs(chat_template=chat_template).chat_template_text()
+    assert template is not None
+    tokenizer = load_tokenizer(model)
+    tokenizer.set_chat_template(template)
+    return tokenizer

@@ -28,11 +28,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvrelay.engine.llm_engine import LLMEngine, PromptType
 from kvrelay.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ logger = logging.getLogger(__name__)
 # instead of a busy loop of empty steps.
 _IDLE_POLL_S = 0.002
 _SHUTDOWN_DRAIN_S = 2.0
+# An idle engine thread asks its executor this often whether its worker processes still live, so
+# a worker killed between requests fails the engine (and /health) at once, not at the next request.
+_IDLE_HEALTH_CHECK_S = 0.5
 
 StatsListener = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -85,8 +90,17 @@ class _Abort:
 
 @dataclass
 class _Release:
+    """Free the KV a prefill instance holds for a request refused before the engine saw it."""
     prompt_token_ids: list[int]
     kv_transfer_params: dict[str, Any]
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` between two steps; its result (or error) goes to `future`."""
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
 
 
 class _Stop:
@@ -100,7 +114,7 @@ class AsyncLLM:
         self.engine = engine
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        self._commands: queue.Queue[_Add | _Abort | _Release | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Release | _Call | _Stop] = queue.Queue()
         self._open: dict[str, _Stream] = {}  # loop thread only: requests in flight, by id
         self._listeners: list[StatsListener] = []
         self._stats: dict[str, Any] = engine.get_stats()
@@ -164,6 +178,15 @@ class AsyncLLM:
         if stream is not None:
             self._commands.put(_Abort(stream))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run on the engine thread between two steps (the engine is not
+        thread-safe), e.g. `await async_llm.call(lambda e: e.reset_prefix_cache())`."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        return await future
+
     def stats(self) -> dict[str, Any]:
         """The engine's stats as published by the engine thread after its latest step."""
         return self._stats
@@ -172,6 +195,37 @@ class AsyncLLM:
         """`listener(previous, current)` runs in the engine thread each time stats are published.
         Keep it short and thread-safe (e.g. observe a Prometheus histogram)."""
         self._listeners.append(listener)
+
+    @property
+    def dp_rank(self) -> int | None:
+        """This engine's data-parallel rank; None when it is not one of several."""
+        parallel = self.engine.config.parallel
+        return (parallel.data_parallel_rank or 0) if parallel.data_parallel else None
+
+    @property
+    def ranks(self) -> list[AsyncLLM]:
+        """The engines behind this endpoint: this one (kvrelay.engine.data_parallel has several)."""
+        return [self]
+
+    def pick_rank(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any] | None,
+                  dp_rank: int | None = None) -> AsyncLLM:
+        """The engine that serves a request: this one. A rank the caller names (vLLM's
+        X-data-parallel-rank) must be this engine's own: ValueError naming it otherwise."""
+        own, size = self.dp_rank or 0, self.engine.config.parallel.data_parallel_size
+        if dp_rank is None or dp_rank == own:
+            return self
+        if self.dp_rank is None:
+            raise ValueError(f"data_parallel_rank {dp_rank} is out of range [0, 1): this server runs one "
+                             "engine (start it with --data-parallel-size N for ranks)")
+        raise ValueError(f"data_parallel_rank {dp_rank}: this server runs data-parallel rank {own} of {size} "
+                         f"alone (--data-parallel-rank); send the request to rank {dp_rank}'s server")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /health."""
+        reason = self.dead_reason
+        if reason is not None:
+            return 503, {"status": "unhealthy", "reason": reason}
+        return 200, {"status": "ok"}
 
     @property
     def is_alive(self) -> bool:
@@ -231,7 +285,7 @@ class AsyncLLM:
         """Handle queued commands; block for one when idle. False once asked to stop."""
         try:
             if not self.engine.has_pending_work():
-                command = self._commands.get()
+                command = self._wait_for_command()
             elif self._made_no_progress:
                 command = self._commands.get(timeout=_IDLE_POLL_S)
             else:
@@ -249,9 +303,21 @@ class AsyncLLM:
         self._publish_stats()  # admissions and aborts change the counts even without a step
         return True
 
-    def _handle(self, command: _Add | _Abort | _Release) -> None:
+    def _wait_for_command(self) -> _Add | _Abort | _Release | _Call | _Stop:
+        """Block for the next command, checking the workers while none comes (WorkerFailedError,
+        and the thread's crash path, when one died)."""
+        while True:
+            try:
+                return self._commands.get(timeout=_IDLE_HEALTH_CHECK_S)
+            except queue.Empty:
+                self.engine.check_health()
+
+    def _handle(self, command: _Add | _Abort | _Release | _Call) -> None:
         if isinstance(command, _Release):
             self.engine.release_remote_kv(command.prompt_token_ids, command.kv_transfer_params)
+            return
+        if isinstance(command, _Call):
+            _run_call(command, self.engine)
             return
         stream = command.stream
         if isinstance(command, _Abort):
@@ -310,6 +376,8 @@ class AsyncLLM:
                 return
             if isinstance(command, _Add):
                 command.stream.put(error)
+            elif isinstance(command, _Call):
+                _settle(command, error=error)
 
     def _drain_and_close(self) -> None:
         """Shutdown: abort what is in flight, let transfers settle briefly, release the engine."""
@@ -328,6 +396,31 @@ class AsyncLLM:
                 close()
             except Exception:
                 logger.exception("error while shutting the engine down")
+
+
+def _run_call(command: _Call, engine: LLMEngine) -> None:
+    try:
+        result = command.fn(engine)
+    except Exception as e:  # the caller's error, not the engine's
+        _settle(command, error=e)
+        return
+    _settle(command, result=result)
+
+
+def _settle(command: _Call, result: Any = None, error: BaseException | None = None) -> None:
+    """Hand the outcome to the caller's event loop (from the engine thread)."""
+    def done() -> None:
+        if command.future.done():  # the caller gave up (cancelled)
+            return
+        if error is not None:
+            command.future.set_exception(error)
+        else:
+            command.future.set_result(result)
+
+    try:
+        command.loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the loop is closed: nobody is waiting
+        pass
 
 
 _anonymous_ids = itertools.count()

@@ -22,7 +22,7 @@ class LLM:
         gpu_memory_utilization=0.9, kv_cache_dtype="auto", max_num_seqs=64, max_num_batched_tokens=2048,
         max_model_len=None, enable_prefix_caching=True, seed=0, kv_transfer_config=None,
         tensor_parallel_size=1, distributed_executor_backend=None, enforce_eager=False,
-        attention_backend="auto", kv_events_config=None)
+        attention_backend="auto", kv_events_config=None, chat_template=None)
     `model=None` is the embedded SmolLM2-135M-Instruct. `device`: auto (a GPU when one is visible,
     else the CPU), cpu, cuda or cuda:N. `dtype="auto"`: float32 on the CPU, the checkpoint's dtype
     on a GPU. `kv_cache_memory` (bytes, or "1GiB"): None is 512MiB on the CPU; on a GPU the cache
@@ -30,6 +30,7 @@ class LLM:
     after the weights. `kv_cache_dtype`: what the KV cache stores, independent of `dtype`
     (kvrelay/attention/kv_format.py). `enforce_eager`: no CUDA graphs. `attention_backend`: auto,
     cpu, torch or triton (kvrelay/config.py). `kv_events_config`: vLLM's KV events (docs/routing.md).
+    `chat_template`: a Jinja template (its text) that `chat` uses instead of the model's own.
     """
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -41,14 +42,15 @@ class LLM:
                  seed: int = 0, kv_transfer_config: Any = None, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, enforce_eager: bool = False,
                  attention_backend: str = "auto", loaded_model: LoadedModel | None = None,
-                 kv_events_config: Any = None) -> None:
+                 kv_events_config: Any = None, chat_template: str | None = None) -> None:
         kv_transfer = None
         if kv_transfer_config is not None:
             from kvrelay.kv_transfer.config import KVTransferConfig
             kv_transfer = KVTransferConfig.from_any(kv_transfer_config)
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                              seed=seed, enforce_eager=enforce_eager, attention_backend=attention_backend),
+                              seed=seed, enforce_eager=enforce_eager, attention_backend=attention_backend,
+                              chat_template=chat_template),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=_bytes_or_none(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching,
@@ -92,12 +94,10 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         The template writes the model's special tokens itself, so encoding adds none (as the
         server's chat route and vLLM do)."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        conversations = cast(list[list[dict[str, str]]],
+                             messages if messages and isinstance(messages[0], list) else [messages])
+        prompts: list[PromptType] = [chat_prompt(self.tokenizer, conv, add_generation_prompt)
+                                     for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
@@ -139,6 +139,14 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> dict[str, Any]:
+    """One conversation as the model's chat template renders it, with its token ids. The template
+    writes the special tokens itself, so encoding adds none (as the server and vLLM do)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _bytes_or_none(size: int | str | None) -> int | None:

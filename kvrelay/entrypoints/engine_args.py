@@ -19,6 +19,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from kvrelay.config import (
@@ -58,12 +59,16 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None  # None: `serve` runs every rank; R: rank R alone
     enforce_eager: bool = False
     attention_backend: str = "auto"
     threads: int | None = None  # None: torch's default
     kv_transfer_config: str | None = None
     kv_events_config: str | None = None
     served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    chat_template: str | None = None  # a file, or the template itself
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -75,23 +80,26 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The engine's configuration. A bad value raises ValueError naming its flag and the value,
-        before anything is loaded."""
+        and a model that cannot be found FileNotFoundError, before anything is loaded."""
+        from kvrelay.model.source import resolve_model_path
+        resolve_model_path(self.model)
         with _naming_the_flag():
             if self.threads is not None and self.threads < 1:
                 raise ValueError(f"threads must be >= 1, got {self.threads}")
             model = ModelConfig(model=self.model, dtype=self.dtype, device=resolve_device(self.device),
                                 max_model_len=self.max_model_len, seed=self.seed,
                                 served_model_name=self.served_model_name, enforce_eager=self.enforce_eager,
-                                attention_backend=self.attention_backend)
+                                attention_backend=self.attention_backend,
+                                chat_template=self.chat_template_text())
             kv_cache_memory = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory,
                                                                                     "kv_cache_memory")
             cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_cache_memory,
                                 gpu_memory_utilization=self.gpu_memory_utilization,
-                                cache_dtype=self.kv_cache_dtype)
+                                cache_dtype=self.kv_cache_dtype,
+                                enable_prefix_caching=self.enable_prefix_caching)
             scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                         max_num_batched_tokens=self.max_num_batched_tokens)
-            parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                      distributed_executor_backend=self.distributed_executor_backend)
+            parallel = self._parallel_config()
         from kvrelay.kv_events.config import KVEventsConfig
         from kvrelay.kv_transfer.config import KVTransferConfig
         try:
@@ -102,16 +110,65 @@ class EngineArgs:
             kv_events = KVEventsConfig.from_any(self.kv_events_config)
         except ValueError as e:
             raise ValueError(f"argument --kv-events-config: {e}") from None
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
-                            kv_transfer=kv_transfer, kv_events=kv_events)
+        config = EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
+                              kv_transfer=kv_transfer, kv_events=kv_events)
+        return self._data_parallel(config)
+
+    def _parallel_config(self) -> ParallelConfig:
+        backend = self.distributed_executor_backend
+        if self.data_parallel_size > 1 and self.data_parallel_rank is None:
+            if backend == "uni":
+                raise ValueError("distributed_executor_backend 'uni' runs the worker in the server's "
+                                 "process, but each data-parallel rank runs in its own: drop it (or use "
+                                 "'mp')")
+            backend = "mp"
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              distributed_executor_backend=backend,
+                              data_parallel_size=self.data_parallel_size,
+                              data_parallel_rank=self.data_parallel_rank)
+
+    @staticmethod
+    def _data_parallel(config: EngineConfig) -> EngineConfig:
+        """Check the whole group's KV ports (and every rank's config) now, before anything loads;
+        with --data-parallel-rank, the config of that rank alone."""
+        from kvrelay.kv_transfer.config import check_kv_port_range
+
+        parallel = config.parallel
+        check_kv_port_range(config.kv_transfer, parallel.tensor_parallel_size, parallel.data_parallel_size)
+        rank = parallel.data_parallel_rank
+        group = dataclasses.replace(config, parallel=dataclasses.replace(parallel, data_parallel_rank=None))
+        rank_configs = [group.for_data_parallel_rank(r) for r in range(parallel.data_parallel_size)]
+        return config if rank is None else rank_configs[rank]
 
     def llm_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `LLM(...)` these flags ask for."""
         names = ("model", "device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                  "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
                  "tensor_parallel_size", "distributed_executor_backend", "enforce_eager",
-                 "attention_backend", "kv_transfer_config", "kv_events_config")
-        return {name: getattr(self, name) for name in names}
+                 "attention_backend", "kv_transfer_config", "kv_events_config", "enable_prefix_caching")
+        return {**{name: getattr(self, name) for name in names}, "chat_template": self.chat_template_text()}
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template as vLLM reads it: a file's text, else the value itself when it holds
+        Jinja syntax; a value that looks like a path but names no file is an error, as is a
+        template that does not compile."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+        elif any(c in self.chat_template for c in "{}\n"):
+            # "\n" typed in a shell becomes a newline; other characters stay as they are
+            text = self.chat_template.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        else:
+            raise ValueError(f"argument --chat-template: {self.chat_template!r} looks like a path, but no "
+                             "such file exists; pass a template file or the template itself")
+        from kvrelay.model.tokenizer import compile_chat_template
+        try:
+            compile_chat_template(text)
+        except ValueError as e:
+            raise ValueError(f"argument --chat-template: {e}") from None
+        return text
 
     def set_torch_threads(self) -> None:
         """--threads: torch's CPU threads for this process (nothing when not given)."""
@@ -129,6 +186,7 @@ class EngineFlag:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] | None = None
     switch: bool = False  # a flag without a value (store_true)
+    negatable: bool = False  # a switch that also has --no-... (vLLM's BooleanOptionalAction flags)
     aliases: tuple[str, ...] = ()
     commands: frozenset[str] = ENGINE_COMMANDS
     # The spelling `kvrelay up` passes on to its `kvrelay serve` children ("bf16" -> "bfloat16").
@@ -137,6 +195,10 @@ class EngineFlag:
     @property
     def option(self) -> str:
         return "--" + self.dest.replace("_", "-")
+
+    @property
+    def negated_option(self) -> str:
+        return "--no-" + self.dest.replace("_", "-")
 
     @property
     def default(self) -> Any:
@@ -164,6 +226,15 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("distributed_executor_backend", "'uni': the worker runs in this process (default at TP 1); "
                                                "'mp': one worker process per rank (default above TP 1)",
                choices=("uni", "mp"), commands=_RUNS_RANKS),
+    EngineFlag("data_parallel_size", "run this many whole engines (ranks) behind this server's one endpoint, "
+                                     "each in its own worker processes with its own KV cache, engine id "
+                                     "<id>_dp<rank> and KV ports from kv_port + rank * tensor_parallel_size; "
+                                     "with --data-parallel-rank: the size of the group that rank is one of",
+               type=int, aliases=("-dp",), commands=frozenset({"serve"})),
+    EngineFlag("data_parallel_rank", "run only this rank of a --data-parallel-size group (a balancer outside "
+                                     "picks ranks, e.g. the kvrelay proxy or llm-d), with the same ports and "
+                                     "engine id as that rank of the group", type=int, aliases=("-dpn",),
+               commands=frozenset({"serve"})),
     EngineFlag("enforce_eager", "run every step eagerly: no CUDA graphs", switch=True),
     EngineFlag("attention_backend", "the attention route: auto (cpu on the CPU, triton on CUDA), cpu "
                                     "(native kernels), torch (the reference, any device), triton (CUDA)",
@@ -178,6 +249,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                commands=frozenset({"serve"})),
     EngineFlag("served_model_name", "the model name clients send (default: from the model)",
                commands=frozenset({"serve", "up"})),
+    EngineFlag("enable_prefix_caching", "reuse the KV of a prompt's prefix cached by earlier requests "
+                                        "(--no-enable-prefix-caching: compute every prompt in full)",
+               switch=True, negatable=True, commands=ENGINE_COMMANDS - {"profile"}),
+    EngineFlag("chat_template", "a Jinja chat template used instead of the model's own: a file, or the "
+                                "template itself (vLLM's flag)", commands=ENGINE_COMMANDS - {"profile"}),
 )
 _FLAG_OF_DEST = {flag.dest: flag for flag in ENGINE_FLAGS}
 
@@ -204,7 +280,12 @@ def add_engine_args(parser: argparse.ArgumentParser, command: str,
         default = flag.default if defaults else None
         shown = default is not None and default is not False
         help_text = f"{flag.help} (default: {default})" if shown else flag.help
-        if flag.switch:
+        if flag.negatable:  # default None for `up`: neither given, serve's default stays
+            group.add_argument(flag.option, dest=flag.dest, action="store_true", default=default,
+                               help=f"{flag.help} (default: {'on' if flag.default else 'off'})")
+            group.add_argument(flag.negated_option, dest=flag.dest, action="store_false",
+                               help=argparse.SUPPRESS)
+        elif flag.switch:
             group.add_argument(flag.option, *flag.aliases, dest=flag.dest, action="store_true",
                                default=default, help=help_text)
         else:
@@ -218,6 +299,9 @@ def given_engine_argv(args: argparse.Namespace, command: str, skip: Sequence[str
     argv: list[str] = []
     for flag in flags_of(command):
         value = getattr(args, flag.dest, None)
+        if flag.negatable and value is False and flag.dest not in skip:
+            argv.append(flag.negated_option)
+            continue
         if flag.dest in skip or value is None or value is False:
             continue
         if flag.switch:

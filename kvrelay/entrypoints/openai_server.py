@@ -3,7 +3,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE ending in
 `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health,
 GET /metrics, GET /kv_events (where this instance publishes its KV cache events, for a router),
-and FastAPI's GET /openapi.json and /docs.
+POST /reset_prefix_cache (vLLM's), and FastAPI's GET /openapi.json and /docs.
 
 Parallel sampling (`n`) and prompt lists: a list in /v1/completions becomes one engine request
 per prompt (ids `<id>-<k>`), each with n choices; choice j of prompt k has index k * n + j, and
@@ -14,17 +14,24 @@ Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. Bad
 a 4xx naming the field (never a 500), and the server keeps serving:
     400 invalid JSON, wrong types, out-of-range values, prompt or max_tokens beyond the context,
         fields kvrelay does not implement, bad kv_transfer_params
-    401 missing or wrong `Authorization: Bearer <key>` (every route but /health, when a key is set)
+    401 missing or wrong `Authorization: Bearer <key>` (every route but /health and /metrics, when a
+        key is set: kvrelay.entrypoints.auth)
     404 unknown model or route
     500 the engine failed the request; 503 the engine thread is gone (/health says so too)
 
 Request ids: the body's `request_id`, else the `X-Request-Id` header, else a random one. An id
 already in flight gets a suffix (see kvrelay.engine.async_llm); the response's `id` is
 `cmpl-<id>` / `chatcmpl-<id>` with the id the engine used, echoed in the `X-Request-Id` header.
+
+Data parallelism (kvrelay.engine.data_parallel): the server fronts one engine or several ranks.
+Each prompt goes to the rank the engine client picks, or to the one the `X-data-parallel-rank`
+header names (vLLM's; 400 when there is no such rank, 503 when it is down); a one-prompt answer
+says which rank served it in the same header. /health, /metrics and /kv_events cover every rank.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -37,7 +44,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvrelay
-from kvrelay.engine.async_llm import AsyncLLM
+from kvrelay.engine.async_llm import AsyncLLM, EngineDeadError
+from kvrelay.engine.data_parallel import RANK_HEADER, DataParallelLLM, RankLeg
+from kvrelay.entrypoints.auth import api_key_error
 from kvrelay.entrypoints.openai_errors import (
     APIError,
     add_error_handlers,
@@ -72,16 +81,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 
+EngineClient = AsyncLLM | DataParallelLLM  # one engine, or data-parallel ranks behind one endpoint
+
+
 class OpenAIServer:
     """The route logic, kept apart from FastAPI's wiring."""
 
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str, api_key: str | None) -> None:
+    def __init__(self, async_llm: EngineClient, served_model_name: str, api_key: str | None) -> None:
         self.async_llm = async_llm
         self.served_model_name = served_model_name
         self.model_names = {served_model_name, async_llm.model_name}
         self.api_key = api_key
-        self.metrics = ServerMetrics(async_llm.stats)
-        async_llm.add_stats_listener(self.metrics.on_engine_stats)
+        ranks = async_llm.ranks
+        self.metrics = ServerMetrics(ranks[0].stats, [(llm.dp_rank, llm.stats) for llm in ranks
+                                                      if llm.dp_rank is not None])
+        for llm in ranks:
+            llm.add_stats_listener(self.metrics.stats_listener(llm.dp_rank))
 
     # ----------------------------------------------------------------------------- checks
     async def check_api_key(self, request: Request) -> None:
@@ -89,12 +104,9 @@ class OpenAIServer:
         # (non-daemon) thread would hold the process open for seconds after shutdown.
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
-        if scheme.lower() != "bearer" or token.strip() != self.api_key:
-            raise APIError(401, "incorrect API key in the Authorization header")
+        problem = api_key_error(request.headers.get("authorization", ""), self.api_key)
+        if problem is not None:
+            raise APIError(401, problem)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -109,7 +121,8 @@ class OpenAIServer:
     # ----------------------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
         body = await read_json_object(request)
-        with self._refusal_releases_remote_kv("/v1/completions", body):
+        with self._refusal_releases_remote_kv(body.get("kv_transfer_params"),
+                                              lambda: self._body_token_ids("/v1/completions", body)):
             req = _parse(CompletionRequest, body)
             self.check_model(req.model)
             params = _to_sampling_params(req)
@@ -129,7 +142,8 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await read_json_object(request)
-        with self._refusal_releases_remote_kv("/v1/chat/completions", body):
+        with self._refusal_releases_remote_kv(body.get("kv_transfer_params"),
+                                              lambda: self._body_token_ids("/v1/chat/completions", body)):
             req = _parse(ChatCompletionRequest, body)
             self.check_model(req.model)
             params = _to_sampling_params(req)
@@ -144,20 +158,24 @@ class OpenAIServer:
         return await self._generate(request, req, [prompt], params, ctx)
 
     @contextmanager
-    def _refusal_releases_remote_kv(self, route: str, body: dict[str, Any]) -> Iterator[None]:
+    def _refusal_releases_remote_kv(self, params: Any,
+                                    token_ids: Callable[[], list[int] | None]) -> Iterator[None]:
         """A request refused here (4xx) whose kv_transfer_params say a prefill instance computed
         its prompt for this one still releases that KV at once, through the connector (as for a
         request aborted before its admission), rather than leaving it held until P's lease ends.
-        The params bind the prompt's tokens: without them (an unparsable body) nothing is released."""
+        The params bind the prompt's tokens (`token_ids()`): without them (an unparsable body)
+        nothing is released."""
         try:
             yield
         except APIError as e:
-            params = body.get("kv_transfer_params")
             if e.status < 500 and isinstance(params, dict) and params.get("do_remote_prefill"):
-                token_ids = request_prompt_token_ids(self.async_llm.engine.tokenizer, route, body)
-                if token_ids:
-                    self.async_llm.release_remote_kv(token_ids, params)
+                prompt_token_ids = token_ids()
+                if prompt_token_ids:
+                    self.async_llm.release_remote_kv(prompt_token_ids, params)
             raise
+
+    def _body_token_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
+        return request_prompt_token_ids(self.async_llm.engine.tokenizer, route, body)
 
     def _render_chat(self, messages: list[Any], add_generation_prompt: bool) -> str:
         return chat_prompt_text(self.async_llm.engine.tokenizer, messages, add_generation_prompt)
@@ -189,16 +207,23 @@ class OpenAIServer:
                         ctx: ResponseContext) -> Response:
         _field_error(lambda: check_kv_transfer_params(req.kv_transfer_params), "kv_transfer_params")
         self.check_alive()
+        # NOTE: a rank refused (400: none such) after the params were checked releases P's KV too.
+        with self._refusal_releases_remote_kv(req.kv_transfer_params, lambda: prompts[0]["prompt_token_ids"]):
+            named_rank = _named_rank(request)
+            legs = [self._pick_rank(p["prompt_token_ids"], req.kv_transfer_params, named_rank)
+                    for p in prompts]
         request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(prompts) > 1:
             ctx.request_id = request_id
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
-        streams = [self._observed(self.async_llm.generate(p, params, rid, req.kv_transfer_params))
-                   for p, rid in zip(prompts, ids, strict=True)]
+        streams = [self._observed(leg.generate(p, params, rid, req.kv_transfer_params), leg.dp_rank)
+                   for leg, p, rid in zip(legs, prompts, ids, strict=True)]
+        served_by = legs[0].dp_rank if len(legs) == 1 else None
+        rank_header = {} if served_by is None else {RANK_HEADER: str(served_by)}
         if req.stream:
             return DisconnectAwareStreamingResponse(self._stream(streams, ctx),
                                                     media_type="text/event-stream",
-                                                    headers={"X-Request-Id": request_id})
+                                                    headers={"X-Request-Id": request_id, **rank_header})
         try:
             finals = await unless_disconnected(request, final_outputs(streams))
         except StreamFailedError as e:
@@ -209,7 +234,18 @@ class OpenAIServer:
             if any(c.finish_reason == "error" for c in final.outputs):
                 raise APIError(500, f"the engine failed the request: {final.error or 'unknown error'}")
         response_id = request_id if len(finals) > 1 else finals[0].request_id
-        return JSONResponse(full_response(ctx, finals), headers={"X-Request-Id": response_id})
+        return JSONResponse(full_response(ctx, finals), headers={"X-Request-Id": response_id, **rank_header})
+
+    def _pick_rank(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any] | None,
+                   named_rank: int | None) -> AsyncLLM | RankLeg:
+        """The engine (rank) that serves one prompt: 400 for a rank that does not exist, 503 for
+        one that is down (or when every rank is)."""
+        try:
+            return self.async_llm.pick_rank(prompt_token_ids, kv_transfer_params, named_rank)
+        except ValueError as e:
+            raise APIError(400, f"{RANK_HEADER} header: {e}", RANK_HEADER) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
 
     async def _stream(self, streams: list[AsyncIterator[RequestOutput]],
                       ctx: ResponseContext) -> AsyncIterator[str]:
@@ -235,7 +271,8 @@ class OpenAIServer:
             yield usage_chunk
         yield sse("[DONE]")
 
-    async def _observed(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _observed(self, outputs: AsyncIterator[RequestOutput],
+                        dp_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Pass one engine request's outputs through, observing TTFT, inter-token latency (per
         step: the time since the previous step that gave this request tokens, over the tokens any
         one choice got) and each choice's finish reason."""
@@ -250,20 +287,21 @@ class OpenAIServer:
                 if n_new:
                     now = time.monotonic()
                     if not seen_token:
-                        self.metrics.time_to_first_token.observe(now - arrival)
+                        self.metrics.of_rank(self.metrics.time_to_first_token, dp_rank).observe(now - arrival)
                         seen_token = True
                     else:
-                        self.metrics.inter_token_latency.observe((now - last) / n_new)
+                        self.metrics.of_rank(self.metrics.inter_token_latency, dp_rank).observe(
+                            (now - last) / n_new)
                     last = now
                 yield out
         except Exception:
             failed = True
             raise
         finally:
-            self._count_finished(latest, failed)
+            self._count_finished(latest, failed, dp_rank)
             await outputs.aclose()  # type: ignore[attr-defined]
 
-    def _count_finished(self, latest: RequestOutput | None, failed: bool) -> None:
+    def _count_finished(self, latest: RequestOutput | None, failed: bool, dp_rank: int | None) -> None:
         """One count per choice: its finish reason; "error" or "abort" (the client left) when the
         request did not finish."""
         choices = latest.outputs if latest is not None else [None]
@@ -274,7 +312,7 @@ class OpenAIServer:
                 outcome = "abort"
             else:
                 outcome = completion.finish_reason
-            self.metrics.requests_finished.labels(outcome).inc()
+            self.metrics.of_rank(self.metrics.requests_finished, dp_rank, outcome).inc()
 
     # ----------------------------------------------------------------------------- other routes
     def models(self) -> dict[str, Any]:
@@ -322,26 +360,44 @@ class OpenAIServer:
                 raise APIError(400, f"tokens[{i}]={tok} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": self.async_llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
+    async def reset_prefix_cache(self, reset_running_requests: bool, reset_external: bool) -> dict[str, bool]:
+        """vLLM's route and answer: forget every cached prefix (on every data-parallel rank);
+        `success` is false while blocks are held (requests running, KV held for a peer); retry,
+        or reset_running_requests=true (they are preempted and recomputed). reset_external=true:
+        the connector's cache too."""
+        self.check_alive()
+        done = await asyncio.gather(*(llm.call(
+            lambda engine: engine.reset_prefix_cache(reset_running_requests, reset_external))
+            for llm in self.async_llm.ranks))
+        return {"success": all(done)}
+
     def kv_events(self) -> dict[str, Any]:
         """Where this instance publishes KV events (docs/routing.md): a router subscribes there.
-        A wildcard host (tcp://*:5557) means "this instance's host"."""
-        engine = self.async_llm.engine
+        A wildcard host (tcp://*:5557) means "this instance's host". With data-parallel ranks,
+        rank 0's stream at the top and every rank's under "ranks" (each batch also says its rank)."""
+        ranks = self.async_llm.ranks
+        engine = ranks[0].engine
         config = engine.config.kv_events
         if config is None or not config.publishes:
             return {"enabled": False}
-        return {"enabled": True, "endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
-                "topic": config.topic, "block_size": engine.config.cache.block_size}
+        answer = {"enabled": True, "endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
+                  "topic": config.topic, "block_size": engine.config.cache.block_size}
+        if ranks[0].dp_rank is not None:
+            answer["data_parallel_size"] = engine.config.parallel.data_parallel_size
+            answer["ranks"] = [{"dp_rank": llm.dp_rank, "endpoint": llm.engine.config.kv_events.endpoint,
+                                "replay_endpoint": llm.engine.config.kv_events.replay_endpoint}
+                               for llm in ranks]
+        return answer
 
     def health(self) -> JSONResponse:
-        reason = self.async_llm.dead_reason
-        if reason is not None:
-            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = self.async_llm.health()
+        return JSONResponse(body, status_code=status)
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
+def build_app(async_llm: EngineClient, served_model_name: str | None = None,
               api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `async_llm`. It does not own the AsyncLLM: shut that down yourself."""
+    """The FastAPI app serving `async_llm` (one engine, or a DataParallelLLM's ranks). It does not
+    own it: shut that down yourself."""
     server = OpenAIServer(async_llm, served_model_name or async_llm.model_name, api_key)
     app = FastAPI(title="kvrelay", version=kvrelay.__version__)  # /openapi.json, /docs, /redoc
     app.state.server = server
@@ -378,10 +434,22 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def version() -> dict[str, str]:
         return {"version": kvrelay.__version__}
 
-    @app.get("/metrics", dependencies=auth)
+    _add_instance_routes(app, server, auth)
+    return app
+
+
+def _add_instance_routes(app: FastAPI, server: OpenAIServer, auth: list[Any]) -> None:
+    """What operators and routers ask of the instance: metrics, KV events, its cache, health."""
+
+    @app.get("/metrics")  # open, as vLLM's: Prometheus scrapes without the key (entrypoints/auth.py)
     async def metrics() -> Response:
         content, content_type = server.metrics.render()
         return Response(content, media_type=content_type)
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache(reset_running_requests: bool = False,
+                                 reset_external: bool = False) -> dict[str, bool]:
+        return await server.reset_prefix_cache(reset_running_requests, reset_external)
 
     @app.get("/kv_events", dependencies=auth)
     async def kv_events() -> dict[str, Any]:
@@ -391,10 +459,20 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
     async def health() -> JSONResponse:
         return server.health()
 
-    return app
-
 
 # --------------------------------------------------------------------------------- helpers
+def _named_rank(request: Request) -> int | None:
+    """The data-parallel rank the caller names in vLLM's header, if any; 400 when it is no rank."""
+    raw = request.headers.get(RANK_HEADER)
+    if raw is None:
+        return None
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise APIError(400, f"{RANK_HEADER} header: must be a data-parallel rank (an integer), got {raw!r}",
+                       RANK_HEADER) from None
+
+
 def _parse(model: type[RequestT], body: dict[str, Any]) -> RequestT:
     try:
         return model.model_validate(body)

@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -69,15 +70,16 @@ class ZmqEventPublisher(EventPublisher):
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None  # type: ignore[type-arg]
+        self._ipc_files: list[Path] = []  # the ipc:// socket files this publisher bound (it removes them)
         try:
             if binds(config.endpoint):
-                self._pub.bind(config.endpoint)
+                self._bind(self._pub, config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                self._bind(self._replay, config.replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
             raise ValueError(f"kv_events_config: cannot open {config.endpoint!r} / "
@@ -114,10 +116,18 @@ class ZmqEventPublisher(EventPublisher):
             return  # it still owns the sockets; the process exit closes them
         self._close_sockets()
 
+    def _bind(self, socket: zmq.Socket, endpoint: str) -> None:  # type: ignore[type-arg]
+        socket.bind(endpoint)
+        if endpoint.startswith("ipc://"):
+            self._ipc_files.append(Path(endpoint.removeprefix("ipc://")))
+
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        # NOTE: ZMQ leaves a bound ipc:// socket's file behind when it closes the socket.
+        for path in self._ipc_files:
+            path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ the thread
 

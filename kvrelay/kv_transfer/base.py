@@ -276,6 +276,12 @@ class KVConnectorBase(ABC):
         Default: none."""
         return []
 
+    def reset_cache(self) -> bool | None:
+        """Forget the prefixes this connector keeps outside the KV cache (vLLM's `reset_cache`,
+        run by `POST /reset_prefix_cache?reset_external=true`): True done, False refused for
+        now, None (the default) nothing to reset or not supported."""
+        return None
+
     def shutdown(self) -> None:
         """Release threads, sockets and transport resources. Called once when the engine
         stops, on both halves; must be idempotent. Default: nothing to release."""

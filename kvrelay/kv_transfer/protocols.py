@@ -43,6 +43,8 @@ class SchedulerConnector(Protocol):
 
     def take_events(self) -> list[Any]: ...
 
+    def reset_cache(self) -> bool | None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -103,6 +105,9 @@ class NullSchedulerConnector:
 
     def take_events(self) -> list[Any]:
         return []
+
+    def reset_cache(self) -> bool | None:
+        return None
 
     def shutdown(self) -> None:
         return None

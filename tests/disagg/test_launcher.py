@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from kvrelay.disagg import workdir
 from kvrelay.disagg.connector_plans import (
     KV_SECRET_ENV,
     kv_transfer_config,
@@ -27,6 +34,7 @@ from kvrelay.disagg.launcher import (
     stop_children,
 )
 from kvrelay.kv_transfer.config import KVTransferConfig
+from tests.tiny import tiny_tokenizer
 
 
 def test_example_plan_shares_one_fresh_directory_between_p_and_d(tmp_path: Path) -> None:
@@ -138,15 +146,52 @@ def test_stop_kills_a_child_that_ignores_sigterm_and_its_whole_process_group(tmp
         time.sleep(0.05)
 
 
-def test_a_child_that_fails_to_start_is_reported_with_its_log(tmp_path: Path) -> None:
-    spec = ClusterSpec(model=str(tmp_path / "no-such-model"), port=0, threads_per_instance=1,
-                       startup_timeout=120)
-    cluster = LocalCluster(spec)
+def failing_start(tmp_path: Path) -> tuple[LocalCluster, str]:
+    """A cluster whose instances cannot load their model, started: (it, the start's error)."""
+    cluster = LocalCluster(ClusterSpec(model=str(tmp_path / "no-such-model"), port=0, threads_per_instance=1,
+                                       startup_timeout=120))
     with pytest.raises(ClusterError, match="exited with code") as info:
         cluster.start()
-    assert "no-such-model" in str(info.value)  # the child's own error, from its log tail
+    return cluster, str(info.value)
+
+
+def test_a_child_that_fails_to_start_is_reported_with_its_log_which_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cluster, error = failing_start(tmp_path)
+    assert "no-such-model" in error  # the child's own error, from its log tail
     assert all(child.exit_code() is not None for child in cluster.children)
     assert cluster.workdir is not None and not cluster.workdir.exists()
+    kept = re.search(r"the logs of this start are kept in (\S+)/ \((.*)\)", error)
+    assert kept, error
+    assert set(kept.group(2).split(", ")) == {"prefill-0.log", "decode-0.log"}
+    assert "no-such-model" in (Path(kept.group(1)) / "prefill-0.log").read_text()
+    assert not Path(kept.group(1)).name.startswith(workdir.PREFIX)  # no later start removes them
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_directory_of_a_launcher_killed_with_sigkill_goes_at_the_next_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A launcher that made its directory as LocalCluster.start does, then was killed outright.
+    launcher = subprocess.Popen([sys.executable, "-c", "import time\nfrom kvrelay.disagg.workdir import "
+                                 "make_workdir\nmake_workdir()\ntime.sleep(120)"],
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(f"{workdir.PREFIX}*/{workdir.OWNER_FILE}")):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    (left,) = tmp_path.glob(f"{workdir.PREFIX}*")
+    assert (left / workdir.OWNER_FILE).read_text().split()[0] == str(launcher.pid)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = workdir.make_workdir()  # the directory of a launcher that still runs (this one) stays
+    cluster, _ = failing_start(tmp_path)  # the next start, even one that fails, removes the stale one
+    assert not left.exists() and mine.exists()
+    assert cluster.workdir is not None and cluster.workdir.parent == tmp_path  # made by make_workdir
+    shutil.rmtree(mine)
 
 
 def test_kv_backend_sets_the_nixl_connectors_transport(tmp_path: Path) -> None:
@@ -162,3 +207,43 @@ def test_kv_backend_sets_the_nixl_connectors_transport(tmp_path: Path) -> None:
         ClusterSpec(connector="ExampleConnector", kv_backend="tcp")
     with pytest.raises(SystemExit):  # argparse names the choices
         build_parser().parse_args(["up", "--kv-backend", "rdma"])
+
+
+def test_the_banner_shows_connector_transport_offload_tiers_and_routing() -> None:
+    from kvrelay.disagg.launcher_cli import banner
+
+    spec = ClusterSpec(connector="NixlPushConnector", kv_backend="mooncake", device="cpu",
+                       offload={"cpu_bytes": "2GiB", "disk_dir": "/var/kv", "remote_url": "redis://h:6379/0"},
+                       prefill_routing="round-robin", decode_routing="kv-aware", num_decode=2)
+    lines = banner(LocalCluster(spec))
+    text = "\n".join(lines)
+    assert "connector    NixlPushConnector (push: P writes each layer into D's blocks while it computes), " \
+           "transport mooncake" in text
+    assert "offload      decode instances run MultiConnector(P/D connector, OffloadConnector: cpu 2GiB, " \
+           "disk /var/kv (default size), remote redis://h:6379/0)" in text
+    assert "routing      prefill round-robin, decode kv-aware" in text
+    assert [line.split()[0] for line in lines[-3:]] == ["prefill-0", "decode-0", "decode-1"]
+    plain = "\n".join(banner(LocalCluster(ClusterSpec(connector="ExampleConnector", device="cpu"))))
+    assert "ExampleConnector (P writes each prompt's KV to a shared directory" in plain
+    assert "transport" not in plain and "offload      off" in plain
+
+
+def test_up_passes_its_chat_template_to_the_instances_and_to_the_kv_aware_proxy(tmp_path: Path) -> None:
+    from kvrelay.disagg.proxy_cli import _tokenizer_with_template
+    from kvrelay.entrypoints.cli import build_parser
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}t9 {{ m['content'] }} {% endfor %}t8")
+    args = build_parser().parse_args(["up", "--chat-template", str(template), "--device", "cpu"])
+    assert args.chat_template == str(template)
+    spec = ClusterSpec(model="/m", device="cpu", chat_template=str(template),
+                       serve_args=("--chat-template", str(template)))
+    argv = LocalCluster(spec).proxy_argv(["http://p"], ["http://d"], None)
+    assert argv[argv.index("--chat-template") + 1] == str(template)
+    assert argv[argv.index("--model") + 1] == "/m"
+    by_load = LocalCluster(dataclasses.replace(spec, prefill_routing="round-robin",
+                                               decode_routing="round-robin"))
+    assert "--chat-template" not in by_load.proxy_argv(["http://p"], ["http://d"], None)
+    tiny_tokenizer().save(tmp_path / "model")  # the proxy reads a model's tokenizer only
+    tokenizer = _tokenizer_with_template(str(tmp_path / "model"), str(template))
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "t5"}]) == "t9 t5 t8"

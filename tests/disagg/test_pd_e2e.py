@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -217,10 +218,15 @@ def _processes_mentioning(needle: str) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_path: Path) -> None:
+    """`kvrelay up --api-key`: the banner says what runs and prints commands that run as printed;
+    the proxy and the instances require the key (not /health, /metrics); SIGINT stops every
+    process and removes the cluster's directory, its ipc:// event sockets with it."""
     model_dir = write_tiny_model_dir(tmp_path / "up_model")  # its own path, to find its processes
     cmd = [sys.executable, "-m", "kvrelay.entrypoints.cli", "up", str(model_dir), "--port", "0",
-           "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--startup-timeout", "180"]
-    up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--threads-per-instance", "1", "--kv-cache-memory", "8MiB", "--startup-timeout", "180",
+           "--api-key", "up-sekret"]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    up = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     banner: list[str] = []
     try:
         assert up.stdout is not None
@@ -233,8 +239,22 @@ def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_pat
         assert match, text
         child_pids = [int(pid) for pid in re.findall(r" pid (\d+) ", text)]
         assert len(child_pids) == 3, text  # P, D and the proxy
+        assert re.search(r"connector +NixlConnector \(pull: D reads P's blocks after P answered\), "
+                         r"transport (nixl|tcp)\n", text), text
+        assert re.search(r"offload +off \(--offload", text) and re.search(r"routing +prefill kv-aware, "
+                                                                         r"decode kv-aware", text), text
+        demo = re.search(r"\n  (\S+) demo --url ", text)
+        assert demo and shutil.which(demo.group(1)), text  # runnable as printed
+        (events,) = {Path(p).parent.parent / "events" for p in re.findall(r" log (\S+)", text)}
+        assert {p.name for p in events.iterdir()} >= {"prefill-0.pub", "decode-0.replay"}
         url = match.group(1)
-        assert completion(url, PROMPTS[1], model=model_name(url)) != ""
+        body = {"model": "x", "prompt": PROMPTS[1], "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+        key = {"Authorization": "Bearer up-sekret"}
+        name = httpx.get(url + "/v1/models", headers=key, timeout=10).json()["data"][0]["id"]
+        answer = httpx.post(url + "/v1/completions", json={**body, "model": name}, headers=key, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
@@ -244,6 +264,7 @@ def test_kvrelay_up_serves_a_request_and_sigint_leaves_no_process_behind(tmp_pat
     assert [pid for pid in child_pids if _alive(pid)] == []
     assert _processes_mentioning(str(model_dir)) == []
     assert os.getpid() not in child_pids
+    assert not events.parent.exists() and list(tmp_path.glob("kvrelay-*")) == []
 
 
 def test_demo_streams_answers_and_shows_the_prompt_was_loaded_on_d(cluster: LocalCluster) -> None:
@@ -299,15 +320,20 @@ def test_max_tokens_beyond_the_context_is_refused_by_the_proxy_before_p_computes
     assert metrics(p.url)["kvrelay_prompt_tokens_computed_total"] == before_p  # P computed nothing
 
 
-def test_d_refusing_a_request_p_prefilled_for_it_frees_ps_blocks_at_once(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("refused_for", ["max_tokens", "X-data-parallel-rank"])
+def test_d_refusing_a_request_p_prefilled_for_it_frees_ps_blocks_at_once(cluster: LocalCluster,
+                                                                         refused_for: str) -> None:
+    """D refuses a max_tokens its context cannot hold, or a data-parallel rank it does not have."""
     (p,), (d,) = cluster.prefill, cluster.decode
     context = httpx.get(d.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
-    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": context, "temperature": 0.0}
-    answer = httpx.post(p.url + "/v1/completions", json=prefill_body(body, "too-long"), timeout=60).json()
+    max_tokens = context if refused_for == "max_tokens" else 4
+    headers = {"X-data-parallel-rank": "3"} if refused_for != "max_tokens" else {}
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": max_tokens, "temperature": 0.0}
+    answer = httpx.post(p.url + "/v1/completions", json=prefill_body(body, "refused"), timeout=60).json()
     assert metrics(p.url)["kvrelay_kv_blocks_in_use"] > 0  # held for D, under a 30 s lease
     expired = metrics(p.url)["kvrelay_kv_lease_expired_total"]
-    refused = httpx.post(d.url + "/v1/completions", timeout=60,
-                         json=decode_body(body, "too-long-d", answer["kv_transfer_params"]))
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    refused = httpx.post(d.url + "/v1/completions", timeout=60, headers=headers,
+                         json=decode_body(body, "refused-d", answer["kv_transfer_params"]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == refused_for
     assert wait_for_blocks_freed([p.url], timeout=10) == {p.url: 0}  # D told P: no lease ran out
     assert metrics(p.url)["kvrelay_kv_lease_expired_total"] == expired

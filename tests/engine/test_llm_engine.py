@@ -161,3 +161,27 @@ def test_max_tokens_none_runs_to_context_end():
                        SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
     assert_no_leak(llm)
+
+
+def test_reset_prefix_cache_waits_for_running_requests_unless_told_to_preempt_them():
+    llm = make_llm()
+    engine = llm.engine
+    prompts = random_prompts(2, 10, 20, seed=5)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    for _ in range(4):  # both prompts computed, a few tokens decoded
+        engine.step()
+    assert engine.scheduler.num_running == 2
+    assert engine.reset_prefix_cache() is False  # vLLM's answer while blocks are held
+    assert engine.reset_prefix_cache(reset_running_requests=True, reset_external=True) is True
+    assert engine.scheduler.num_running == 0 and engine.blocks_in_use == 0
+    final = {}
+    while len(final) < 2:  # the preempted requests recompute and finish as if nothing happened
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert_matches_hf("llama", prompts, [final[i] for i in ids], 12)
+    hit = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert hit[0].num_cached_tokens > 0  # recomputed blocks are cached again
+    assert engine.reset_prefix_cache() is True
+    miss = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert miss[0].num_cached_tokens == 0
+    assert_no_leak(llm)

@@ -1,42 +1,21 @@
-"""The `kvrelay generate` and `kvrelay chat` commands, run as real processes on a tiny model."""
+"""The `kvrelay` command itself: its help, its version, and clear errors for bad input (exit 2)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
-from tests.tiny import write_tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model_dir(tmp_path_factory.mktemp("cli_model"))
+import kvrelay
+from kvrelay.entrypoints.cli import build_parser
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvrelay.entrypoints.cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=180)
-
-
-def test_generate_prints_the_completion(model_dir: Path) -> None:
-    done = run_cli("generate", "t5 t6 t7", "--model", str(model_dir), "--no-chat-template",
-                   "--max-tokens", "6", "--kv-cache-memory", "4MiB")
-    assert done.returncode == 0, done.stderr
-    words = done.stdout.split()
-    assert len(words) == 6 and all(w.startswith("t") for w in words)
-    assert "6 tokens" in done.stderr and "finish_reason=length" in done.stderr
-
-
-def test_chat_answers_each_line_until_eof(model_dir: Path) -> None:
-    done = run_cli("chat", str(model_dir), "--max-tokens", "3", "--kv-cache-memory", "4MiB",
-                   stdin="t5 t6\n\n/reset\nt9 t10\n")
-    assert done.returncode == 0, done.stderr
-    # input() writes its "> " prompt to stdout; what is left on each line is a reply.
-    replies = [r for r in (line.replace("> ", "").strip() for line in done.stdout.splitlines()) if r]
-    assert len(replies) == 2 and all(len(r.split()) == 3 for r in replies)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -51,3 +30,36 @@ def test_bad_input_is_a_clear_error_not_a_traceback(args: tuple[str, ...], messa
     done = run_cli(*args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_help_lists_every_command_and_version_prints_kvrelays() -> None:
+    done = run_cli("--help")
+    assert done.returncode == 0
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(commands) == {"generate", "chat", "serve", "proxy", "up", "pool", "demo", "profile", "plan"}
+    assert all(f"    {name}" in done.stdout for name in commands)
+    assert "later" not in done.stdout
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == kvrelay.__version__
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", [
+    ("serve",),  # the default model: seconds to load before the port was checked
+    # A model that does not exist: the port must be checked before the tokenizer is looked at.
+    ("proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--routing", "kv-aware",
+     "--model", "/no/such/model.gguf"),
+])
+def test_a_busy_port_fails_before_anything_loads_with_status_2_naming_it(command: tuple[str, ...],
+                                                                          busy_port: int) -> None:
+    done = run_cli(*command, "--port", str(busy_port))
+    assert done.returncode == 2, done.stderr
+    assert f"port {busy_port} on 127.0.0.1 is not free" in done.stderr and "--port" in done.stderr
+    assert "no/such" not in done.stderr and "Traceback" not in done.stderr

@@ -21,6 +21,7 @@ from kvrelay.engine.llm import LLM
 from kvrelay.entrypoints.cli import build_parser, main
 from kvrelay.entrypoints.engine_args import ENGINE_FLAGS, EngineArgs, flags_of
 from kvrelay.entrypoints.serve_cli import build_engine_config
+from kvrelay.sampling_params import SamplingParams
 
 # What each command needs before its engine flags (generate's positional is the prompt).
 COMMAND_PREFIX = {"generate": ["generate", "a prompt"], "chat": ["chat"], "serve": ["serve"],
@@ -214,8 +215,8 @@ def test_up_places_its_instances_before_starting_anything(one_gpu: None, monkeyp
     finally:
         signal.signal(signal.SIGTERM, previous)
     out = capsys.readouterr().out
-    assert "prefill-0  on GPU 0, gpu-memory-utilization 0.4" in out
-    assert "decode-0   on GPU 0, gpu-memory-utilization 0.4" in out
+    assert "prefill-0    on GPU 0, gpu-memory-utilization 0.4" in out
+    assert "decode-0     on GPU 0, gpu-memory-utilization 0.4" in out
 
 
 def test_a_cuda_device_this_machine_lacks_is_refused_at_start_without_a_traceback() -> None:
@@ -230,3 +231,43 @@ def _subparser(command: str) -> argparse.ArgumentParser:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser: argparse.ArgumentParser = sub.choices[command]
     return parser
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "up"])
+def test_prefix_caching_is_on_unless_no_enable_prefix_caching_says_otherwise(command: str,
+                                                                             no_gpu: None) -> None:
+    assert parse(command).create_engine_config().cache.enable_prefix_caching
+    assert parse(command, "--enable-prefix-caching").create_engine_config().cache.enable_prefix_caching
+    off = parse(command, "--no-enable-prefix-caching")
+    assert not off.create_engine_config().cache.enable_prefix_caching
+    if command in ("generate", "chat"):
+        assert off.llm_kwargs()["enable_prefix_caching"] is False
+    up = build_parser().parse_args(["up", "--no-enable-prefix-caching"])
+    assert serve_args_of(up) == ["--no-enable-prefix-caching"]  # `up` passes it on as given
+    assert serve_args_of(build_parser().parse_args(["up"])) == []
+
+
+def test_chat_template_is_a_file_or_the_template_and_reaches_the_engine(
+        tmp_path, no_gpu: None, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.tiny import tiny_loaded_model
+
+    template = "{% for m in messages %}t9 {{ m['content'] }} t7 {% endfor %}t8"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    for value in (str(path), template):
+        config = parse("serve", "--chat-template", value).create_engine_config()
+        assert config.model.chat_template == template
+    assert serve_args_of(build_parser().parse_args(["up", "--chat-template", str(path)])) == [
+        "--chat-template", str(path)]
+    kwargs = parse("chat", "--chat-template", str(path)).llm_kwargs()
+    with LLM(loaded_model=tiny_loaded_model(), num_blocks=16, block_size=4,
+             chat_template=kwargs["chat_template"]) as llm:
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "t5 t6"}])
+        assert text == "t9 t5 t6 t7 t8"
+        out = llm.chat([{"role": "user", "content": "t5"}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert out[0].prompt_token_ids == [9, 5, 7, 8]
+    bad_values = ((str(tmp_path / "missing.jinja"), "looks like a path"), ("{% if %}", "not valid Jinja"))
+    for bad, words in bad_values:
+        assert main(["serve", "--chat-template", bad]) == 2
+        err = capsys.readouterr().err
+        assert "argument --chat-template" in err and words in err, err

@@ -222,11 +222,27 @@ def test_metrics_expose_every_name_and_settle_to_zero_blocks(client, server):
     exposed = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
     for name in METRIC_NAMES:
         assert name in declared | exposed, name
+    assert [name for name in exposed if name.endswith("_created")] == []  # no creation timestamps
     m = wait_settled(server.url)
     assert m["kvrelay_kv_blocks_in_use"] == 0 and m["kvrelay_kv_blocks_total"] > 0
     assert m["kvrelay_prompt_tokens_computed_total"] >= 5 and m["kvrelay_generation_tokens_total"] >= 3
     assert m["kvrelay_time_to_first_token_seconds_count"] >= 1
     assert m["kvrelay_inter_token_latency_seconds_count"] >= 1
+
+
+def test_reset_prefix_cache_is_vllms_route_and_forgets_cached_prefixes(client, server):
+    prompt = " ".join(f"t{i}" for i in range(80, 93))  # three full blocks of 4 and one token
+    cached = []
+    for reset_between in (False, True):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        wait_settled(server.url)
+        if reset_between:
+            answer = post(server.url, "/reset_prefix_cache?reset_external=true", None)
+            assert answer.status_code == 200 and answer.json() == {"success": True}
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        cached.append(again.usage.prompt_tokens_details.cached_tokens)
+        wait_settled(server.url)
+    assert cached[0] >= 12 and cached[1] == 0
 
 
 # ----------------------------------------------------------------------------------- bad input
@@ -368,16 +384,20 @@ def test_client_disconnect_while_waiting_for_a_full_response_aborts(server):
 
 
 # ----------------------------------------------------------------------------------- API key
-def test_api_key_is_required_on_every_route_but_health(auth_server):
+def test_api_key_is_required_on_every_route_but_health_and_metrics(auth_server):
     url = auth_server.url
     body = {"prompt": "t5", "max_tokens": 1}
     missing = post(url, "/v1/completions", body)
     assert missing.status_code == 401 and "missing API key" in missing.json()["error"]["message"]
     wrong = post(url, "/v1/completions", body, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and "incorrect API key" in wrong.json()["error"]["message"]
-    for path in ("/v1/models", "/metrics"):
+    for path in ("/v1/models", "/version", "/kv_events"):
         assert httpx.get(f"{url}{path}", timeout=5).status_code == 401
+    assert post(url, "/reset_prefix_cache", {}).status_code == 401
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    # Prometheus scrapes without the key, as vLLM 0.32 allows (its key guards only /v1 routes).
+    scraped = httpx.get(f"{url}/metrics", timeout=5)
+    assert scraped.status_code == 200 and "kvrelay_kv_blocks_in_use" in scraped.text
 
     authed = openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", timeout=60, max_retries=0)
     assert authed.completions.create(model=MODEL, prompt="t5", max_tokens=1).usage.completion_tokens == 1

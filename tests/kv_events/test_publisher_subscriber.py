@@ -87,6 +87,14 @@ def test_a_subscriber_gets_every_batch_once_and_in_order(config: KVEventsConfig,
         publisher.shutdown()
 
 
+def test_shutdown_removes_the_ipc_socket_files_the_publisher_bound(config: KVEventsConfig,
+                                                                   tmp_path: Path) -> None:
+    publisher = ZmqEventPublisher(config)
+    assert (tmp_path / "events").exists() and (tmp_path / "replay").exists()
+    publisher.shutdown()
+    assert not (tmp_path / "events").exists() and not (tmp_path / "replay").exists()
+
+
 def test_a_subscriber_that_starts_late_or_restarts_rebuilds_from_the_replay(
         config: KVEventsConfig, sink: RecordingSink) -> None:
     publisher = ZmqEventPublisher(config)

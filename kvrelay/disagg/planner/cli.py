@@ -8,6 +8,11 @@ from typing import Any
 
 from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
 
+# The synthetic workload `kvrelay plan` simulates without --trace (its length defaults are the
+# --input-len and --output-len flags'): how many requests, and the rate they arrive at.
+SYNTHETIC_REQUESTS = 200
+SYNTHETIC_RATE = 1.0  # req/s
+
 
 def add_parser(sub: Any) -> None:
     _add_profile_parser(sub)
@@ -107,15 +112,21 @@ def _add_plan_parser(sub: Any) -> None:
     p.add_argument("--tp", type=int, default=1, help="DistServe profile: tensor parallel size of an instance")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None,
-                   help="Mooncake JSONL trace (default: a synthetic Poisson workload)")
+                   help="Mooncake JSONL trace (default: a synthetic workload: Poisson arrivals at --rate, "
+                        "lengths from --input-len and --output-len, no shared prefixes)")
     w.add_argument("--num-requests", type=int, default=None,
-                   help="first N requests of the trace (synthetic: 200)")
+                   help=f"first N requests of the trace (synthetic: N requests, default "
+                        f"{SYNTHETIC_REQUESTS})")
     w.add_argument("--arrivals", choices=("scaled", "poisson"), default=None,
-                   help="re-rating: scale the trace's timestamps (default for a trace) or fresh Poisson gaps")
-    w.add_argument("--input-len", default="512", help="synthetic prompt lengths: N, A-B or exp:MEAN")
-    w.add_argument("--output-len", default="128", help="synthetic output lengths: N, A-B or exp:MEAN")
+                   help="re-rating: scale the trace's timestamps (default for a trace) or fresh Poisson gaps "
+                        "(default for a synthetic workload)")
+    w.add_argument("--input-len", default="512",
+                   help="synthetic prompt lengths: N, A-B or exp:MEAN (default %(default)s)")
+    w.add_argument("--output-len", default="128",
+                   help="synthetic output lengths: N, A-B or exp:MEAN (default %(default)s)")
     w.add_argument("--rate", type=float, default=None,
-                   help="target rate (req/s) for 'instances needed' (default: the trace's own rate)")
+                   help="target rate (req/s) for 'instances needed' (default: the trace's own rate; a "
+                        f"synthetic workload's is {SYNTHETIC_RATE:g} req/s, its arrivals drawn at that rate)")
     s = p.add_argument_group("SLOs and search")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
     s.add_argument("--tpot-slo", type=float, default=0.1, help="seconds (default 0.1)")
@@ -158,8 +169,19 @@ def load_workload(args: argparse.Namespace) -> Any:
         if args.no_prefix_cache:
             workload = workload.without_prefixes()
         return workload
-    return synthetic_workload(args.num_requests or 200, args.rate or 1.0, args.input_len, args.output_len,
-                              args.seed)
+    return synthetic_workload(args.num_requests or SYNTHETIC_REQUESTS, args.rate or SYNTHETIC_RATE,
+                              args.input_len, args.output_len, args.seed)
+
+
+def target_rate(args: argparse.Namespace, workload: Any) -> tuple[float, str]:
+    """The rate 'instances needed' is answered at, and where it came from (the report says)."""
+    if args.rate is not None:
+        return args.rate, "--rate"
+    if args.trace:
+        return workload.rate, (f"the trace's own rate: {len(workload.requests)} requests over "
+                               f"{workload.duration_s:.0f} s; --rate sets another")
+    return SYNTHETIC_RATE, (f"the synthetic workload's default rate, {SYNTHETIC_RATE:g} req/s; "
+                            "--rate sets another")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -206,7 +228,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            SearchOptions(arrivals=arrivals, seed=args.seed, tolerance=args.tolerance,
                                          max_rate=args.max_rate or 1000.0), pd_profile)
     shapes = shapes_for(args.max_instances, args.only, args.configs)
-    report = run_plan(search, shapes, args.rate, needed_only=args.needed_only)
+    rate, rate_source = target_rate(args, workload)
+    report = run_plan(search, shapes, rate, needed_only=args.needed_only, rate_source=rate_source)
     print_report(report, f"plan: {profile.model} ({profile.source}), workload {workload.name}: "
                          f"{len(workload.requests)} requests, "
                          f"prefix reuse {'off' if args.no_prefix_cache else 'on'}")

@@ -36,6 +36,7 @@ class PlanReport:
     target_rate: float
     results: list[Goodput]
     needed: dict[str, ClusterSpec | None] = field(default_factory=dict)
+    rate_source: str = "--rate"  # where target_rate came from, as the report says it
 
     def best(self, disaggregated: bool) -> Goodput | None:
         pool = [g for g in self.results if g.cluster.disaggregated == disaggregated and g.goodput > 0]
@@ -43,6 +44,7 @@ class PlanReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"slo": asdict(self.slo), "target_rate": self.target_rate,
+                "target_rate_source": self.rate_source,
                 "results": [{"cluster": g.cluster.label, "instances": g.cluster.num_instances,
                              "goodput": g.goodput, "per_instance": g.per_instance, "per_gpu": g.per_gpu,
                              "points": [asdict(p) for p in g.points]} for g in self.results],
@@ -68,18 +70,21 @@ def parse_shapes(text: str) -> list[ClusterSpec]:
 
 
 def run_plan(search: GoodputSearch, shapes: list[ClusterSpec], target_rate: float | None,
-             needed_only: bool = False) -> PlanReport:
+             needed_only: bool = False, rate_source: str | None = None) -> PlanReport:
+    """Each shape's goodput, and the smallest shapes meeting the SLOs at `target_rate` (None: the
+    workload's own rate); `rate_source` says where that rate came from."""
     rate = target_rate if target_rate is not None else search.workload.rate
+    source = rate_source or ("--rate" if target_rate is not None else "the workload's own rate")
     if needed_only:
         if not math.isfinite(rate):
             raise ValueError("--needed-only needs a finite --rate (the workload has no spread of arrivals)")
-        return PlanReport(search.slo, rate, [], smallest_meeting(search, shapes, rate))
+        return PlanReport(search.slo, rate, [], smallest_meeting(search, shapes, rate), source)
     results = []
     for shape in shapes:  # a search takes seconds to minutes per shape: say where it is
         results.append(search.goodput(shape))
         print(f"plan: {shape.label}: goodput {results[-1].goodput:.3g} req/s "
               f"({len(results[-1].points)} simulated rates)", file=sys.stderr, flush=True)
-    report = PlanReport(search.slo, rate, results)
+    report = PlanReport(search.slo, rate, results, rate_source=source)
     if not any(g.goodput > 0 for g in results):
         raise PlanError(_unmeetable(search, results))
     if math.isfinite(rate):
@@ -109,7 +114,7 @@ def print_report(report: PlanReport, header: str) -> None:
     if report.results:
         _print_goodputs(report)
     if report.needed:
-        print(f"\nat {report.target_rate:.3g} req/s:")
+        print(f"\nat {report.target_rate:.3g} req/s ({report.rate_source}):")
         for kind, shape in report.needed.items():
             answer = (f"{shape.label} ({shape.num_instances} instances)" if shape
                       else "more than the shapes tried")

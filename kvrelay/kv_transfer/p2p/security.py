@@ -44,12 +44,21 @@ SIGNED_PARAM_FIELDS = ("remote_request_id", "remote_engine_id", "remote_lease_id
                        "remote_host", "remote_port")
 
 
+# The params field naming the secret P signed with (Keys.key_id), beside the signature. Not signed
+# itself: it only lets D tell "P holds another secret" from "forged or altered" in its message.
+KEY_ID_FIELD = "signature_key_id"
+
+
 @dataclass(frozen=True)
 class Keys:
     channel: bytes  # HMAC-SHA256 key of every side-channel message
     params: bytes  # HMAC-SHA256 key of kv_transfer_params
     authenticated: bool  # False: no secret was configured; the keys are public
     transport: bytes | None = None  # the transport's own authentication secret (None: none)
+    # Names the secret without revealing it: 16 hex digits of HMAC(secret, a fixed label), one
+    # more key derived like the others, so it helps neither forging nor guessing ("" without a
+    # secret). Two instances with the same secret have the same key id.
+    key_id: str = ""
 
 
 def load_keys(secret_file: str | None) -> Keys:
@@ -64,7 +73,8 @@ def load_keys(secret_file: str | None) -> Keys:
     return Keys(channel=_derive(raw, b"kvrelay side channel v1"),
                 params=_derive(raw, b"kvrelay kv_transfer_params v1"),
                 authenticated=secret is not None,
-                transport=_derive(raw, b"kvrelay transport v1") if secret is not None else None)
+                transport=_derive(raw, b"kvrelay transport v1") if secret is not None else None,
+                key_id=_derive(raw, b"kvrelay key id v1").hex()[:16] if secret is not None else "")
 
 
 def _read_secret_file(path: str) -> str:
@@ -93,6 +103,9 @@ def is_loopback(host: str) -> bool:
 def check_kv_ip(kv_ip: str, keys: Keys, warn: bool = True) -> None:
     """A side channel reachable from other machines must be authenticated."""
     if keys.authenticated:
+        if warn:
+            logger.info("KV transfer secret: key id %s (every instance of the cluster must show the same)",
+                        keys.key_id)
         return
     if not is_loopback(kv_ip):
         raise ValueError(
@@ -128,13 +141,19 @@ def sign_params(params: Mapping[str, Any], token_ids: Sequence[int], key: bytes)
     return hmac.new(key, _params_message(params, token_ids), hashlib.sha256).hexdigest()
 
 
+def signed_params(params: Mapping[str, Any], token_ids: Sequence[int], keys: Keys) -> dict[str, Any]:
+    """`params` with their signature and the id of the key that made it."""
+    return {**params, "signature": sign_params(params, token_ids, keys.params), KEY_ID_FIELD: keys.key_id}
+
+
 def check_params(params: Mapping[str, Any], token_ids: Sequence[int], block_size: int,
-                 key: bytes, now: float | None = None) -> str | None:
+                 key: bytes, now: float | None = None, key_id: str | None = None) -> str | None:
     """Why a decode instance must not use these params, or None when they are sound.
 
     Checks the shape (every prompt block named once, same block size, the same prompt length),
     the signature (which also binds the prompt tokens) and the expiry. The peer's pool size is
-    only known after the handshake and is checked then.
+    only known after the handshake and is checked then. `key_id`: this instance's (Keys.key_id);
+    a bad signature under another key id is then reported as P and D holding different secrets.
     """
     signature = params.get("signature")
     if not isinstance(signature, str):
@@ -147,12 +166,23 @@ def check_params(params: Mapping[str, Any], token_ids: Sequence[int], block_size
     except (TypeError, ValueError, msgspec.EncodeError):
         valid = False
     if not valid:
-        return "the params signature is invalid (forged, altered, or another prompt's params)"
+        return _bad_signature(params.get(KEY_ID_FIELD), key_id)
     now = time.time() if now is None else now
     expiry_ms = params["remote_lease_expiry_ms"]
     if now * 1000 >= expiry_ms:
         return f"the params expired {now - expiry_ms / 1000:.1f} s ago"
     return None
+
+
+def _bad_signature(theirs: Any, ours: str | None) -> str:
+    if isinstance(theirs, str) and ours is not None and theirs != ours:
+        def name(key_id: str) -> str:
+            return f"key id {key_id}" if key_id else "no secret"
+
+        return (f"the params signature is invalid: P signed with {name(theirs)}, this instance has "
+                f"{name(ours)}, so P and D most likely hold different KV transfer secrets; give every "
+                "instance of the cluster the same KVRELAY_KV_SECRET (or secret_file)")
+    return "the params signature is invalid (forged, altered, or another prompt's params)"
 
 
 def _shape_error(params: Mapping[str, Any], num_prompt_tokens: int, block_size: int) -> str | None:

@@ -69,7 +69,7 @@ class NixlScheduler:
         # NOTE: the params are used once: a preempted request recomputes instead of pulling again.
         request.kv_transfer_params = {**params, "do_remote_prefill": False}
         rejected = security.check_params(params, request.prompt_token_ids, self.block_size,
-                                         self.keys.params)
+                                         self.keys.params, key_id=self.keys.key_id)
         if (rejected is None and not self.keys.authenticated
                 and not security.is_loopback(params["remote_host"])):
             rejected = (f"remote_host {params['remote_host']!r} is not loopback and no KV transfer "
@@ -130,7 +130,7 @@ class NixlScheduler:
             "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
             "remote_lease_id": lease_id, "remote_lease_expiry_ms": expiry_ms, "transfer_mode": "pull",
         }
-        out["signature"] = security.sign_params(out, request.prompt_token_ids, self.keys.params)
+        out = security.signed_params(out, request.prompt_token_ids, self.keys)
         self._leases.append(LeaseSpec(
             req_id=request.request_id, lease_id=lease_id, block_ids=prompt_block_ids,
             prompt_digest=security.prompt_digest(request.prompt_token_ids), expiry_ms=expiry_ms))

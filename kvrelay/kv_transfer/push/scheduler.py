@@ -165,8 +165,7 @@ class NixlPushScheduler:
             "remote_host": self.host, "remote_port": self.transfer_config.kv_port, "tp_size": self.tp_size,
             "remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
             "remote_lease_id": make_lease_id(now_ms), "remote_lease_expiry_ms": now_ms + 1000}
-        out["signature"] = security.sign_params(out, request.prompt_token_ids, self.keys.params)
-        return out
+        return security.signed_params(out, request.prompt_token_ids, self.keys)
 
     # ---------------------------------------------------------------- every step
 

@@ -140,6 +140,12 @@ class MultiConnector(KVConnectorBase):
     def take_events(self) -> list[Any]:
         return [event for child in self.connectors for event in child.take_events()]
 
+    def reset_cache(self) -> bool | None:
+        results = [child.reset_cache() for child in self.connectors]
+        if any(r is False for r in results):
+            return False
+        return True if any(r for r in results) else None
+
     def take_stats(self) -> dict[str, float]:
         stats = super().take_stats()
         for child in self.connectors:

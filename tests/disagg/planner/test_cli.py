@@ -39,9 +39,28 @@ def test_plan_prints_goodput_split_and_instances_needed(hand_profile_path: str, 
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "recommended P:D split: 1:1" in text and "needs 1x colocated" in text
+    assert "at 1 req/s (the trace's own rate: 30 requests over 29 s; --rate sets another):" in text
     report = json.loads(out_json.read_text())
     assert [r["cluster"] for r in report["results"]] == ["1x colocated", "2x colocated", "1P1D"]
     assert all(r["goodput"] > 0 for r in report["results"])
+
+
+def test_the_synthetic_workload_says_its_defaults_and_where_the_rate_came_from(
+        hand_profile_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for default in ("synthetic: N requests, default 200", "exp:MEAN (default 512)", "exp:MEAN (default 128)",
+                    "a synthetic workload's is 1 req/s"):
+        assert default in help_text, default
+    args = ["plan", "--profile", hand_profile_path, "--configs", "1", "--needed-only", "--num-requests", "20",
+            "--ttft-slo", "5", "--tpot-slo", "1"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "workload poisson(in=512,out=128): 20 requests" in text
+    assert "at 1 req/s (the synthetic workload's default rate, 1 req/s; --rate sets another):" in text
+    assert main([*args, "--rate", "0.5"]) == 0
+    assert "at 0.5 req/s (--rate):" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("make_args, message", [

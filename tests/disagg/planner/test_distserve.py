@@ -19,8 +19,7 @@ from kvrelay.disagg.planner.profile import (
     load_profile,
 )
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "distserve"
-DATA = DATA if DATA.is_dir() else Path("/work/shared/data/distserve")
+DATA = Path(__file__).resolve().parents[3] / "data" / "distserve"  # shipped in the repo (data/README.md)
 FLAT = DistServeCoeffs(prefill=(10.0, 0.0, 0.0), decoding_smallbs=(5.0, 0.0, 0.0),
                        decoding_largebs=(5.0, 0.0, 0.0))
 

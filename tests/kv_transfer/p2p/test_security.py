@@ -155,6 +155,37 @@ def test_params_check_refuses_unsigned_forged_expired_and_other_prompts() -> Non
     assert "block size" in (security.check_params(signed, tokens, 8, keys.params) or "")
 
 
+def test_a_bad_signature_under_another_key_id_says_p_and_d_hold_different_secrets(monkeypatch) -> None:
+    monkeypatch.setenv("KVRELAY_KV_SECRET", SECRET)
+    p_keys = security.load_keys(None)
+    monkeypatch.setenv("KVRELAY_KV_SECRET", "another-secret-0123456789")
+    d_keys = security.load_keys(None)
+    monkeypatch.delenv("KVRELAY_KV_SECRET")
+    open_keys = security.load_keys(None)
+    assert len(p_keys.key_id) == 16 and p_keys.key_id != d_keys.key_id and open_keys.key_id == ""
+    assert p_keys.key_id not in SECRET and p_keys.key_id not in (p_keys.params.hex() + p_keys.channel.hex())
+    tokens = prompt(9)
+    params = security.signed_params({
+        "remote_request_id": "r", "remote_engine_id": "e", "remote_lease_id": "1-ab",
+        "remote_block_ids": [3, 4, 5], "remote_num_tokens": 9, "remote_block_size": 4,
+        "remote_lease_expiry_ms": int(time.time() * 1000) + 10_000, "remote_host": "127.0.0.1",
+        "remote_port": 1}, tokens, p_keys)
+    assert params[security.KEY_ID_FIELD] == p_keys.key_id
+    assert security.check_params(params, tokens, 4, p_keys.params, key_id=p_keys.key_id) is None
+
+    def refusal(keys: security.Keys, sent: dict) -> str:  # type: ignore[type-arg]
+        return security.check_params(sent, tokens, 4, keys.params, key_id=keys.key_id) or ""
+
+    different = refusal(d_keys, params)
+    assert f"P signed with key id {p_keys.key_id}, this instance has key id {d_keys.key_id}" in different
+    assert "most likely hold different KV transfer secrets" in different and "KVRELAY_KV_SECRET" in different
+    assert "P signed with key id" in refusal(open_keys, params) and "this instance has no secret" in \
+        refusal(open_keys, params)
+    # The same secret and a bad signature: forged or altered, not a configuration mistake.
+    altered = refusal(p_keys, {**params, "remote_block_ids": [7, 4, 5]})
+    assert "forged, altered" in altered and "different" not in altered
+
+
 def test_checksum_sees_any_changed_word_and_swapped_blocks() -> None:
     import torch
 
@@ -307,6 +338,7 @@ def test_bad_params_recompute_locally(make_pd, reference, secret, tamper, caplog
     assert pd.d.get_stats()["kv_load_failures"] == 1
     assert pd.d.get_stats()["kv_transfer_bytes"] == 0  # nothing was read
     assert "recovering per kv_load_failure_policy" in caplog.text
+    assert "different KV transfer secrets" not in caplog.text  # P and D share theirs: it is the params
 
 
 def test_bad_params_with_policy_fail_end_the_request_with_an_error(make_pd, secret) -> None:
@@ -331,7 +363,7 @@ def test_wrong_secret_on_d_recomputes(make_pd, reference, monkeypatch, tmp_path,
     with caplog.at_level(logging.WARNING):
         out = pd.decode({"ws": (tokens, params)}, max_tokens=4)["ws"]
     assert out.outputs[0].token_ids == reference_tokens(reference, {"ws": tokens}, 4)["ws"]
-    assert "signature is invalid" in caplog.text
+    assert "P and D most likely hold different KV transfer secrets" in caplog.text
 
 
 def test_fingerprint_mismatch_is_refused_with_a_clear_error(make_pd, reference, caplog) -> None:
