@@ -49,6 +49,7 @@ class Backend:
     health_failures: int = 0  # consecutive failed health checks
     kv_address: tuple[str, int] | None = None  # push mode: its KV side channel
     events: StreamAddress | None = None  # where it publishes KV events, when known
+    engine: str | None = None  # "kvrelay", "vllm" or "unknown", once asked (routing/instances.py)
 
     @property
     def idle(self) -> bool:
@@ -67,8 +68,9 @@ def check_url(role: str, url: str) -> str:
 class BackendPool:
     """The prefill or the decode instances, and the policy that picks among the active ones."""
 
-    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None) -> None:
-        if not urls:
+    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None,
+                 allow_empty: bool = False) -> None:
+        if not urls and not allow_empty:
             raise ValueError(f"the {name} pool needs at least one backend URL")
         self.name = name
         self.policy = policy or LeastLoaded()

@@ -26,7 +26,9 @@ answering without kv_transfer_params) the client's body goes to D alone and D pr
 a fallback, counted in /metrics by reason. A decode leg that cannot connect is sent to another
 D. A client that disconnects closes the decode leg, which aborts the request on D.
 
-The field names are vLLM's, so the proxy also fronts vLLM instances.
+The field names are vLLM's, so the proxy also fronts vLLM instances (routed by their own KV
+events: docs/routing.md). With no prefill instance there is no P/D: each request goes whole to
+one decode instance, chosen as a prefill leg would be (it computes the prompt).
 """
 
 from __future__ import annotations
@@ -168,7 +170,10 @@ class DisaggProxy:
     async def prefill_or_push(self, route: str, body: dict[str, Any], request_id: str,
                               headers: dict[str, str], prompt: PromptBlocks) -> Prefilled:
         """D's kv_transfer_params: after P's answer (pull), or at once with P's leg started
-        beside D's (push: D's leg goes out first, when the caller opens it)."""
+        beside D's (push: D's leg goes out first, when the caller opens it). Without P/D (no
+        prefill pool) D computes the prompt: no prefill leg, and no fallback either."""
+        if self.config.aggregated:
+            return Prefilled(None)
         try:
             decision = self.prefill.choose(prompt)
         except NoInstanceError:
@@ -291,11 +296,13 @@ class DisaggProxy:
             self.decode.start_leg(decision)
             if source is not None:
                 source.readers += 1
+            if self.config.aggregated and self.manager.index is not None:
+                self.manager.index.expect(decision.backend.url, request_id, prompt)  # D computes it
             try:
                 upstream = await self.client.send(self.client.build_request(
                     "POST", decision.backend.url + route, json=body, headers=headers), stream=True)
             except httpx.TransportError as e:
-                self._end_decode(decision, source, "error")
+                self._end_decode(decision, source, "error", request_id)
                 self.metrics.errors.labels(kind="decode_unreachable").inc()
                 logger.warning("request %s: decode leg to %s failed: %r", request_id, decision.backend.url, e)
                 if not isinstance(e, httpx.ConnectError):
@@ -334,9 +341,14 @@ class DisaggProxy:
         # NOTE: shielded, because a cancelled scope would otherwise abort the close itself.
         with anyio.CancelScope(shield=True):
             await leg.upstream.aclose()
-        self._end_decode(leg.decision, leg.source, outcome)
+        request_id = leg.upstream.request.headers.get(REQUEST_ID_HEADER)
+        self._end_decode(leg.decision, leg.source, outcome, request_id)
 
-    def _end_decode(self, decision: Decision, source: Backend | None, outcome: str) -> None:
+    def _end_decode(self, decision: Decision, source: Backend | None, outcome: str,
+                    request_id: str | None = None) -> None:
+        if self.config.aggregated and self.manager.index is not None and request_id is not None:
+            # NOTE: no usage to check the events against (a stream's comes last, if asked for).
+            self.manager.index.settle(decision.backend.url, request_id, 0.0, None, None)
         self.decode.end_leg(decision)
         if source is not None:
             source.readers -= 1
