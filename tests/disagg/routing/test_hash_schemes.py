@@ -42,8 +42,9 @@ def cases() -> list[dict[str, Any]]:
             for seed in SEEDS:
                 for salt in (None, "tenant-7"):
                     length = rng.randrange(3 * block_size, 6 * block_size)
+                    token_ids = [rng.randrange(VOCAB) for _ in range(length)]
                     out.append({"algo": algo, "block_size": block_size, "pythonhashseed": seed,
-                                "cache_salt": salt, "token_ids": [rng.randrange(VOCAB) for _ in range(length)]})
+                                "cache_salt": salt, "token_ids": token_ids})
     return out
 
 
@@ -94,9 +95,9 @@ def stored_event(scheme: VllmScheme | None, token_ids: list[int], block_size: in
               else hash_token_blocks(token_ids, block_size))
     published = [external(h, as_int) for h in hashes]
     fields = {"lora_id": None, "medium": "GPU", "lora_name": None, **fields}
-    return BlockStored(block_hashes=published[first:], parent_block_hash=published[first - 1] if first else None,
-                       token_ids=token_ids[first * block_size:len(hashes) * block_size], block_size=block_size,
-                       **fields)
+    parent = published[first - 1] if first else None
+    return BlockStored(block_hashes=published[first:], parent_block_hash=parent, block_size=block_size,
+                       token_ids=token_ids[first * block_size:len(hashes) * block_size], **fields)
 
 
 def test_an_event_confirms_or_refutes_a_scheme_and_says_when_it_cannot_tell() -> None:
