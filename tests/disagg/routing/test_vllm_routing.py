@@ -45,9 +45,19 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmSer
         for server in servers:
             server.wait_healthy()
         yield servers
+        for url in [s.url for s in servers]:  # every request done, every block P held for D released
+            wait_for(lambda u=url: blocks_in_use(u) == 0, timeout_s=30, interval_s=0.5,  # type: ignore[misc]
+                     what=f"{url} to hold no KV block")
     finally:
         for server in servers:
             server.stop()
+
+
+def blocks_in_use(url: str) -> float:
+    """vLLM's share of KV blocks in use, and its running requests (both 0 when idle)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_running")))
 
 
 @contextmanager
