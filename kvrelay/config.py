@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,9 +192,22 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     # A step that no worker of "mp" finishes within this many seconds fails the instance.
     worker_step_timeout_s: float = 300.0
+    # Data parallelism (vLLM's names): whole engines ("ranks") side by side, each with its own KV
+    # cache, KV ports and engine id. data_parallel_rank: which rank this engine is; None in the
+    # config of a whole group, which `kvrelay serve` turns into one config per rank
+    # (EngineConfig.for_data_parallel_rank) and starts behind one endpoint.
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+        rank = self.data_parallel_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < self.data_parallel_size):
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size="
+                             f"{self.data_parallel_size}), got {rank!r} (pass --data-parallel-size N with "
+                             "--data-parallel-rank R < N)")
         backend = self.distributed_executor_backend
         if backend is None:
             backend = "uni" if self.tensor_parallel_size == 1 else "mp"
@@ -214,6 +228,17 @@ class ParallelConfig:
         """Workers whose connector reports must all arrive before a transfer counts as done."""
         return self.tensor_parallel_size
 
+    @property
+    def data_parallel(self) -> bool:
+        """Whether this engine is one rank of several (vLLM's rule: a size above 1 or a rank above
+        0): its engine id, KV ports, KV events and metrics then say which rank it is."""
+        return self.data_parallel_size > 1 or (self.data_parallel_rank or 0) > 0
+
+    @property
+    def is_data_parallel_group(self) -> bool:
+        """The config of several ranks not yet split into one config per rank."""
+        return self.data_parallel_size > 1 and self.data_parallel_rank is None
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -223,6 +248,32 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: Any = None  # KVTransferConfig | None (kvrelay.kv_transfer.config)
     kv_events: Any = None  # KVEventsConfig | None (kvrelay.kv_events.config)
+
+    def for_data_parallel_rank(self, dp_rank: int) -> EngineConfig:
+        """The config rank `dp_rank` of this data-parallel group runs (vLLM's arithmetic): engine
+        id `<id>_dp<rank>`; KV side channels from `kv_port + dp_rank * tensor_parallel_size` (TP
+        rank t at + t); KV events on the endpoint's port + dp_rank (an ipc:// path gets `_dp<rank>`);
+        on a GPU, its TP ranks on the GPUs after those of the ranks before it. ValueError if a
+        port or GPU it needs does not exist."""
+        parallel = self.parallel
+        if parallel.data_parallel_rank is not None:
+            raise ValueError(f"this config is already data-parallel rank {parallel.data_parallel_rank}")
+        if not 0 <= dp_rank < parallel.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size="
+                             f"{parallel.data_parallel_size}), got {dp_rank}")
+        rank_parallel = dataclasses.replace(parallel, data_parallel_rank=dp_rank)
+        if not rank_parallel.data_parallel:
+            return dataclasses.replace(self, parallel=rank_parallel)
+        tp = parallel.tensor_parallel_size
+        model = self.model
+        if model.device.startswith("cuda"):
+            first_gpu = int(model.device.partition(":")[2] or 0) + dp_rank * tp
+            model = dataclasses.replace(model, device=f"cuda:{first_gpu}")
+        transfer, events = self.kv_transfer, self.kv_events
+        return dataclasses.replace(
+            self, model=model, parallel=rank_parallel,
+            kv_transfer=None if transfer is None else transfer.for_data_parallel_rank(dp_rank, tp),
+            kv_events=None if events is None else events.for_data_parallel_rank(dp_rank))
 
 
 def _triton_interpreted() -> bool:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvrelay.disagg.routing.kv_index import rank_key
 from kvrelay.disagg.routing.policies import Decision, LeastLoaded, RoutingPolicy
 from kvrelay.disagg.routing.prompt import PromptBlocks
 from kvrelay.kv_events.subscriber import StreamAddress
@@ -47,9 +48,18 @@ class Backend:
     queued_tokens: int = 0  # prompt tokens those legs are predicted to compute
     readers: int = 0  # decode legs reading KV this (prefill) instance computed
     health_failures: int = 0  # consecutive failed health checks
+    missed_checks: float = 0.0  # timed-out checks counted against it (kvrelay.disagg.health)
+    last_bytes_at: float = float("-inf")  # time.monotonic() when its legs last brought bytes
     kv_address: tuple[str, int] | None = None  # push mode: its KV side channel
-    events: StreamAddress | None = None  # where it publishes KV events, when known
+    events: StreamAddress | None = None  # where it publishes KV events, when known (rank 0's)
+    # Where its other data-parallel ranks publish, by rank (empty: one rank, or not known).
+    rank_events: dict[int, StreamAddress] = field(default_factory=dict)
     engine: str | None = None  # "kvrelay", "vllm" or "unknown", once asked (routing/instances.py)
+
+    @property
+    def index_keys(self) -> tuple[str, ...]:
+        """Its entries in the KV index: one per data-parallel rank (its URL alone without)."""
+        return (self.url, *(rank_key(self.url, rank) for rank in sorted(self.rank_events)))
 
     @property
     def idle(self) -> bool:

@@ -89,6 +89,8 @@ class ClusterSpec:
     offload: dict[str, Any] | None = None
     prefill_tp: int = 1  # tensor_parallel_size of each prefill instance
     decode_tp: int = 1  # tensor_parallel_size of each decode instance
+    prefill_dp: int = 1  # data_parallel_size of each prefill instance: ranks behind its one URL
+    decode_dp: int = 1
     kv_backend: str | None = None  # the Nixl connectors' transport (None: the plan's default)
     # Where the instances run (placement.py): auto (the GPUs when there are any), cpu, cuda or
     # cuda:N; on GPUs `gpu_memory_utilization` is split between instances that share one.
@@ -106,7 +108,11 @@ class ClusterSpec:
         if self.kv_backend is not None and self.connector not in ("NixlConnector", "NixlPushConnector"):
             raise ValueError(f"kv_backend={self.kv_backend!r} chooses the transport of NixlConnector and "
                              f"NixlPushConnector; {self.connector} has none")
-        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp"):
+        if self.prefill_dp > 1 and self.connector == "NixlPushConnector":
+            raise ValueError("NixlPushConnector: D registers with P's side channel before P picks a "
+                             "data-parallel rank, so --prefill-dp must be 1 in push mode "
+                             "(--decode-dp may be more)")
+        for name in ("num_prefill", "num_decode", "prefill_tp", "decode_tp", "prefill_dp", "decode_dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads_per_instance is not None and self.threads_per_instance < 1:
@@ -116,15 +122,17 @@ class ClusterSpec:
 
     @property
     def instances(self) -> list[tuple[str, int]]:
-        """(name, tensor-parallel size) of every serve child, prefill first."""
-        return ([(f"prefill-{i}", self.prefill_tp) for i in range(self.num_prefill)]
-                + [(f"decode-{i}", self.decode_tp) for i in range(self.num_decode)])
+        """(name, ranks: tensor- times data-parallel size) of every serve child, prefill first."""
+        return ([(f"prefill-{i}", self.prefill_tp * self.prefill_dp) for i in range(self.num_prefill)]
+                + [(f"decode-{i}", self.decode_tp * self.decode_dp) for i in range(self.num_decode)])
 
     @property
     def threads(self) -> int:
+        """Torch threads of each engine (each data-parallel rank of an instance has this many)."""
         if self.threads_per_instance is not None:
             return self.threads_per_instance
-        return max(1, available_cores() // (self.num_prefill + self.num_decode))
+        engines = self.num_prefill * self.prefill_dp + self.num_decode * self.decode_dp
+        return max(1, available_cores() // engines)
 
 
 def place_instances(spec: ClusterSpec) -> list[Placement]:
@@ -247,7 +255,7 @@ def stop_children(children: list[ChildProcess], grace_period: float) -> None:
 
 def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
                tensor_parallel_size: int = 1, device_args: tuple[str, ...] = (),
-               events_config: dict[str, Any] | None = None) -> list[str]:
+               events_config: dict[str, Any] | None = None, data_parallel_size: int = 1) -> list[str]:
     """One instance's `kvrelay serve` command line; `device_args`: its Placement's flags."""
     argv = [sys.executable, "-m", "kvrelay.entrypoints.cli", "serve"]
     if spec.model:
@@ -258,6 +266,8 @@ def serve_argv(spec: ClusterSpec, port: int, transfer_config: dict[str, Any],
         argv += ["--kv-events-config", json.dumps(events_config)]
     if tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if data_parallel_size != 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
     return argv + list(device_args)
 
 
@@ -398,13 +408,14 @@ class LocalCluster:
         engine_id = f"kvrelay-{name}-{uuid.uuid4().hex[:8]}"
         kv_role = "kv_producer" if name.startswith("prefill") else "kv_consumer"
         offload = spec.offload if kv_role == "kv_consumer" else None
-        tp = spec.prefill_tp if kv_role == "kv_producer" else spec.decode_tp
-        kv_port = free_port_run(spec.host, tp)  # rank r listens on kv_port + r
+        prefill = kv_role == "kv_producer"
+        tp, dp = (spec.prefill_tp, spec.prefill_dp) if prefill else (spec.decode_tp, spec.decode_dp)
+        kv_port = free_port_run(spec.host, tp * dp)  # dp rank d, tp rank t listens on kv_port + d * tp + t
         self.kv_addresses[name] = f"{spec.host}:{kv_port}"
         config = kv_transfer_config(spec.connector, kv_role, engine_id, kv_port, plan, spec.host, offload)
         env = {**plan.env, "OMP_NUM_THREADS": str(spec.threads), **placement.env}
         events = kv_events_config(self.workdir / "events", name) if self.workdir is not None else None
-        argv = serve_argv(spec, port, config, tp, placement.serve_args, events)
+        argv = serve_argv(spec, port, config, tp, placement.serve_args, events, dp)
         return ChildProcess(name, argv, f"http://{spec.host}:{port}", log_dir / f"{name}.log", env)
 
     def start_instance(self, role: str) -> ChildProcess:

@@ -33,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="tensor-parallel size of each prefill instance (default 1)")
     p.add_argument("--decode-tp", type=int, default=1,
                    help="tensor-parallel size of each decode instance (default 1)")
+    p.add_argument("--prefill-dp", type=int, default=1,
+                   help="data-parallel ranks of each prefill instance, behind its one URL (default 1)")
+    p.add_argument("--decode-dp", type=int, default=1,
+                   help="data-parallel ranks of each decode instance, behind its one URL (default 1)")
     p.add_argument("--threads-per-instance", type=int, default=None,
                    help="torch threads per instance (default: the cores split evenly)")
     add_routing_args(p)
@@ -98,8 +102,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                        num_prefill=args.prefill_instances, num_decode=args.decode_instances,
                        threads_per_instance=args.threads_per_instance, serve_args=tuple(serve_args),
                        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
-                       offload=offload_config(args), prefill_tp=args.prefill_tp,
-                       decode_tp=args.decode_tp, kv_backend=args.kv_backend, device=engine_args.device,
+                       offload=offload_config(args), prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                       prefill_dp=args.prefill_dp, decode_dp=args.decode_dp,
+                       kv_backend=args.kv_backend, device=engine_args.device,
                        gpu_memory_utilization=engine_args.gpu_memory_utilization,
                        prefill_routing=prefill_routing, decode_routing=decode_routing, admin_key=admin_key)
     cluster = LocalCluster(spec)  # where each instance runs, or ValueError: nothing has started yet

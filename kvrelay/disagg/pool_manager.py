@@ -3,30 +3,38 @@
     members    instances join (`add`: it must answer /health first) and leave (`drain`: no new
                legs, removed once nothing in flight needs it, including decode legs still
                reading a prefill instance's KV)
-    health     every `health_interval` seconds each instance's /health is asked: a refused
-               connection or an error status takes it out of routing at once, so does a leg
-               that cannot connect; `health_timeouts_to_drop` checks without an answer in a
-               row too (a busy instance can be slow to answer). It comes back when it answers.
+    health     every `health_interval` seconds each instance's /health is asked, on a
+               connection of its own: a refused connection or an error status takes it out of
+               routing at once, so does a leg that cannot connect; timeouts count as far as it
+               looks dead (kvrelay.disagg.health: bytes on its legs are proof of life). It comes
+               back when it answers. A request that finds no active instance of a role asks
+               the down ones again first (`choose`).
     KV index   with a kv-aware policy, each instance's KV events are followed: what it is (kvrelay,
                vLLM) and where it publishes come from the instance itself (routing/instances.py)
-               or the admin API; its index starts empty when it joins or comes back.
+               or the admin API; its index starts empty when it joins or comes back. An instance
+               with data-parallel ranks has a stream and an index entry per rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
-from kvrelay.disagg.backends import Backend, BackendPool, InstanceState
+from kvrelay.disagg.backends import Backend, BackendPool, InstanceState, NoInstanceError
+from kvrelay.disagg.connections import Connections, origin
+from kvrelay.disagg.health import CheckResult, DownCause, check_health, failure_reason, timeout_weight
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.push_mode import check_push_config
 from kvrelay.disagg.routing.instances import discover
-from kvrelay.disagg.routing.kv_index import KVIndex
-from kvrelay.disagg.routing.policies import create_policy
+from kvrelay.disagg.routing.kv_index import KVIndex, rank_key
+from kvrelay.disagg.routing.policies import Decision, create_policy
+from kvrelay.disagg.routing.prompt import PromptBlocks
 from kvrelay.kv_events.subscriber import KVEventSubscriber, StreamAddress
 
 logger = logging.getLogger(__name__)
@@ -48,8 +56,11 @@ class PoolManager:
                                          config.prefill_kv_addresses)
         for backend in self.prefill.backends:
             backend.kv_address = kv_addresses.get(backend.url)
-        self._client: httpx.AsyncClient | None = None
+        self._connections: Connections | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._rechecks: dict[str, asyncio.Future[list[str]]] = {}  # role -> the re-check running
+        self._by_origin: dict[str, Backend | None] = {}  # where leg bytes come from (note_bytes)
+        self.downs: Counter[tuple[str, str, str]] = Counter()  # (role, url, reason) -> mark-downs
 
     @property
     def pools(self) -> dict[str, BackendPool]:
@@ -65,8 +76,8 @@ class PoolManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, client: httpx.AsyncClient) -> None:
-        self._client = client
+    async def start(self, connections: Connections) -> None:
+        self._connections = connections
         if self.index is not None and self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
         for backend in self.members():
@@ -75,9 +86,10 @@ class PoolManager:
             self._tasks.append(asyncio.ensure_future(self._health_loop()))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        pending: list[asyncio.Future[Any]] = [*self._tasks, *self._rechecks.values()]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         self._tasks.clear()
         if self.subscriber is not None:
             self.subscriber.close()
@@ -92,11 +104,12 @@ class PoolManager:
         pool = self.pools[role]
         url = url.rstrip("/")
         self._refuse_member(url)
-        healthy, error = await self.check(url)
-        if not healthy:
-            raise ConnectionError(f"{url} did not answer its health check: {error}")
+        result = await self.check(url)
+        if not result.healthy:
+            raise ConnectionError(f"{url} did not answer its health check: {result.error}")
         self._refuse_member(url)  # again: another add may have won while we waited
         backend = pool.add(url, kv_address=kv_address, events=events)
+        self._by_origin.clear()
         await self._track_index(backend)
         logger.info("%s instance %s joined the pool", role, url)
         return backend
@@ -129,39 +142,84 @@ class PoolManager:
         for pool in self.pools.values():
             for backend in pool.remove_idle_drained():
                 self._untrack_index(backend)
+                self._by_origin.clear()
                 logger.info("%s instance %s left the pool", backend.role, backend.url)
 
-    def mark_down(self, backend: Backend, error: str) -> None:
-        """A leg could not reach `backend`: out of routing until a health check answers."""
-        if backend.state is InstanceState.ACTIVE:
-            logger.warning("%s instance %s is down (%s)", backend.role, backend.url, error)
-            backend.state = InstanceState.DOWN
+    def mark_down(self, backend: Backend, cause: DownCause) -> None:
+        """Out of routing until a health check answers; logged with its cause, counted by reason."""
+        if backend.state is not InstanceState.ACTIVE:
+            return
+        backend.state = InstanceState.DOWN
+        self.downs[(backend.role, backend.url, cause.reason)] += 1
+        logger.warning("%s instance %s is down: %s", backend.role, backend.url, cause.describe())
+
+    def leg_failed(self, backend: Backend, leg: str, error: httpx.TransportError) -> None:
+        """A leg to `backend` failed after its one stale-connection retry (connections.py). Only
+        a refused connection, always a fresh one, takes the instance out; the rest is the leg's
+        error alone (the health checks judge the instance)."""
+        if isinstance(error, httpx.ConnectError):
+            self.mark_down(backend, DownCause(failure_reason(error), repr(error), leg, reused=False,
+                                              failed_checks=backend.health_failures))
+
+    def note_bytes(self, source: str) -> None:
+        """Bytes arrived on a leg from `source` (an origin, connections.py): proof of life."""
+        if source not in self._by_origin:
+            self._by_origin = {origin(b.url): b for b in self.members()}
+            self._by_origin.setdefault(source, None)  # no member there (any more): ask once
+        backend = self._by_origin[source]
+        if backend is not None:
+            backend.last_bytes_at = time.monotonic()
+
+    async def choose(self, role: str, prompt: PromptBlocks | None = None) -> Decision:
+        """The role's pool's pick. When no instance of it is active, the down ones are asked
+        again first (one failure must not leave a role empty); NoInstanceError names each one
+        tried and why it is still out."""
+        pool = self.pools[role]
+        try:
+            return pool.choose(prompt)
+        except NoInstanceError:
+            pass
+        tried = await self.recheck(role)
+        try:
+            return pool.choose(prompt)
+        except NoInstanceError as e:
+            detail = f"; re-checked just now: {', '.join(tried)}" if tried else ""
+            raise NoInstanceError(f"{e}{detail}") from None
+
+    async def recheck(self, role: str) -> list[str]:
+        """Health-check every down instance of `role` now (concurrent callers share one round);
+        those that answer are back. Returns "url (why)" for each one still out."""
+        running = self._rechecks.get(role)
+        if running is None or running.done():
+            running = self._rechecks[role] = asyncio.ensure_future(self._recheck(role))
+        return await asyncio.shield(running)
+
+    async def _recheck(self, role: str) -> list[str]:
+        down = [b for b in self.pools[role].backends if b.state is InstanceState.DOWN]
+        started = time.monotonic()
+        results = await asyncio.gather(*(self.check(b.url) for b in down))
+        for backend, result in zip(down, results, strict=True):
+            await self._apply_check(backend, result, started)
+        return [f"{b.url} ({r.error})" for b, r in zip(down, results, strict=True) if not r.healthy]
 
     # ------------------------------------------------------------------ health
 
-    async def check(self, url: str) -> tuple[bool, str | None]:
-        """(healthy, why not): one GET /health."""
-        try:
-            response = await self.client.get(url + "/health", timeout=self.config.health_timeout,
-                                             headers=self._auth_headers())
-        except httpx.TimeoutException:
-            return False, "timeout"
-        except httpx.TransportError as e:
-            return False, f"unreachable: {e!r}"
-        if response.status_code != 200:
-            return False, f"HTTP {response.status_code}"
-        return True, None
+    async def check(self, url: str) -> CheckResult:
+        """One GET /health, on a connection of its own."""
+        return await check_health(self.connections.checks, url, self.config.health_timeout,
+                                  self._auth_headers())
 
     async def check_all(self) -> None:
         backends = list(self.members())
+        started = time.monotonic()
         results = await asyncio.gather(*(self.check(b.url) for b in backends))
-        for backend, (healthy, error) in zip(backends, results, strict=True):
-            await self._apply_check(backend, healthy, error)
+        for backend, result in zip(backends, results, strict=True):
+            await self._apply_check(backend, result, started)
         self.reap()
 
-    async def _apply_check(self, backend: Backend, healthy: bool, error: str | None) -> None:
-        if healthy:
-            backend.health_failures = 0
+    async def _apply_check(self, backend: Backend, result: CheckResult, started: float) -> None:
+        if result.healthy:
+            backend.health_failures, backend.missed_checks = 0, 0.0
             if backend.state is InstanceState.DOWN:
                 backend.state = InstanceState.ACTIVE
                 logger.info("%s instance %s answers again: back in the pool", backend.role, backend.url)
@@ -170,9 +228,17 @@ class PoolManager:
                 await self._track_index(backend)  # it did not say where it publishes: ask again
             return
         backend.health_failures += 1
-        timed_out = error == "timeout"
-        if not timed_out or backend.health_failures >= self.config.health_timeouts_to_drop:
-            self.mark_down(backend, error or "unhealthy")
+        if result.reason == "timeout":
+            weight = timeout_weight(backend, started, self.config.health_interval)
+            backend.missed_checks = backend.missed_checks + weight if weight else 0.0
+            if backend.missed_checks < self.config.health_timeouts_to_drop:
+                logger.info("%s instance %s: health check timed out (%d in a row; counted %.1f of %d)",
+                            backend.role, backend.url, backend.health_failures, backend.missed_checks,
+                            self.config.health_timeouts_to_drop)
+                return
+        cause = DownCause(result.reason or "unhealthy", result.error or "unhealthy", "health check",
+                          reused=False, failed_checks=backend.health_failures)
+        self.mark_down(backend, cause)
 
     async def _health_loop(self) -> None:
         while True:
@@ -189,12 +255,12 @@ class PoolManager:
         it is, and where it publishes if nobody said so)."""
         if self.index is None or self.subscriber is None:
             return
-        info = await discover(self.client, backend.url, self._auth_headers(), self.config.health_timeout,
-                              self.config.hash_settings)
+        info = await discover(self.connections.checks, backend.url, self._auth_headers(),
+                              self.config.health_timeout, self.config.hash_settings)
         backend.engine = info.engine
         asked_before = self.index.status(backend.url).reason == "no events endpoint"
         if backend.events is None:
-            backend.events = info.events
+            backend.events, backend.rank_events = info.events, info.rank_events
             if backend.events is None and asked_before:
                 return  # asked before, still nothing: keep the entry (and the log quiet)
         if backend.events is None:
@@ -204,19 +270,24 @@ class PoolManager:
                          schemes=info.schemes)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
+        for dp_rank, address in backend.rank_events.items():  # (instance, rank): one entry each
+            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=info.block_size,
+                             schemes=info.schemes)
+            self.subscriber.add(rank_key(backend.url, dp_rank), address)
 
     def _untrack_index(self, backend: Backend) -> None:
         if self.index is not None and self.subscriber is not None:
-            self.subscriber.remove(backend.url)
-            self.index.forget(backend.url)
+            for key in backend.index_keys:
+                self.subscriber.remove(key)
+                self.index.forget(key)
 
     # ------------------------------------------------------------------ helpers
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def connections(self) -> Connections:
+        if self._connections is None:
             raise RuntimeError("PoolManager.start() was not called")
-        return self._client
+        return self._connections
 
     def _auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -240,4 +311,3 @@ class PoolManager:
                                    "replay_endpoint": backend.events.replay_endpoint,
                                    "topic": backend.events.topic}
         return report
-

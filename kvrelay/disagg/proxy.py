@@ -24,7 +24,9 @@ Both legs carry the same request id (body `request_id`, header `X-Request-Id`; `
 prompt k of a list). When the prefill leg cannot help (no P, P down, slow, erroring, or
 answering without kv_transfer_params) the client's body goes to D alone and D prefills locally:
 a fallback, counted in /metrics by reason. A decode leg that cannot connect is sent to another
-D. A client that disconnects closes the decode leg, which aborts the request on D.
+D. A client that disconnects closes the decode leg, which aborts the request on D. A leg that
+went out on a stale keep-alive connection is sent again on a fresh one (connections.py), and a
+request that finds every instance of a role down asks them again before giving up on it.
 
 The field names are vLLM's, so the proxy also fronts vLLM instances (routed by their own KV
 events: docs/routing.md). With no prefill instance there is no P/D: each request goes whole to
@@ -50,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvrelay.disagg import prefill_answer, prompt_list, proxy_lists
 from kvrelay.disagg.admin import AdminAPI, add_admin_routes
 from kvrelay.disagg.backends import Backend, NoInstanceError
+from kvrelay.disagg.connections import Connections
 from kvrelay.disagg.legs import (
     PREFILL_KV_TRANSFER_PARAMS,
     REQUEST_ID_HEADER,
@@ -64,11 +67,14 @@ from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
 from kvrelay.disagg.push_mode import push_decode_params, push_prefill_params
 from kvrelay.disagg.routing import Decision, PromptBlocks, PromptReader
+from kvrelay.disagg.routing.kv_index import rank_key
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "DisaggProxy", "ProxyConfig", "build_app", "decode_body",
            "prefill_body"]
 
 logger = logging.getLogger(__name__)
+
+DP_RANK_HEADER = "X-data-parallel-rank"  # which data-parallel rank of an instance answered (vLLM's name)
 
 class DisaggProxy:
     """State shared by every request: the pools, one HTTP client, the metrics."""
@@ -81,18 +87,19 @@ class DisaggProxy:
         self.metrics.watch_pools(self.manager)
         self.prompts = PromptReader.for_model(config.model, config.tokenizer) if config.kv_aware \
             else PromptReader(None)
-        self._client: httpx.AsyncClient | None = None
+        self._connections: Connections | None = None
         self._prefill_tasks: set[asyncio.Task[None]] = set()  # push mode: legs nobody awaits
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=self.config.max_connections,
-                              max_keepalive_connections=min(64, self.config.max_connections))
         timeout = httpx.Timeout(self.config.decode_timeout, connect=self.config.connect_timeout)
-        # NOTE: no env proxies (trust_env=False): legs go straight to the loopback backends.
-        self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
-        await self.manager.start(self._client)
+        self._connections = Connections(
+            self.config.max_connections, self.config.keepalive_expiry, timeout,
+            on_bytes=self.manager.note_bytes,
+            on_stale=lambda source: self.metrics.stale_retries.labels(backend=source).inc())
+        await self.manager.start(self._connections)
         urls = [b.url for b in self.manager.members()]
-        if not await self.prompts.agrees_with(self._client, urls, self.headers("kvrelay-tokenizer-check"),
+        probe_headers = self.headers("kvrelay-tokenizer-check")
+        if not await self.prompts.agrees_with(self.connections.checks, urls, probe_headers,
                                               self.config.health_timeout):
             self.prompts = PromptReader(None)
 
@@ -101,15 +108,26 @@ class DisaggProxy:
             task.cancel()
         await asyncio.gather(*self._prefill_tasks, return_exceptions=True)
         await self.manager.close()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._connections is not None:
+            await self._connections.aclose()
+            self._connections = None
+
+    @property
+    def connections(self) -> Connections:
+        if self._connections is None:
+            raise RuntimeError("DisaggProxy.start() was not called (the app's lifespan runs it)")
+        return self._connections
 
     @property
     def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("DisaggProxy.start() was not called (the app's lifespan runs it)")
-        return self._client
+        """The pooled client (keep-alive connections, shared by the legs)."""
+        return self.connections.pooled
+
+    async def post(self, url: str, body: dict[str, Any], headers: dict[str, str],
+                   stream: bool = False) -> httpx.Response:
+        """POST a leg through the pool (a stale pooled connection is retried on a fresh one)."""
+        request = self.client.build_request("POST", url, json=body, headers=headers)
+        return await self.connections.send(request, stream=stream)
 
     def headers(self, request_id: str, client_headers: httpx.Headers | None = None) -> dict[str, str]:
         headers = {REQUEST_ID_HEADER: request_id, "Accept-Encoding": "identity"}
@@ -175,10 +193,10 @@ class DisaggProxy:
         if self.config.aggregated:
             return Prefilled(None)
         try:
-            decision = self.prefill.choose(prompt)
-        except NoInstanceError:
+            decision = await self.manager.choose("prefill", prompt)
+        except NoInstanceError as e:
             self.metrics.fallbacks.labels(reason="no_prefill_instance").inc()
-            logger.warning("request %s: no active prefill instance; decoding on D alone", request_id)
+            logger.warning("request %s: %s; decoding on D alone", request_id, e)
             return Prefilled(None)
         self.count_decision("prefill", decision)
         if self.config.transfer_mode == "pull":
@@ -197,13 +215,13 @@ class DisaggProxy:
         try:
             leg = {**prefill_body(body, request_id), "kv_transfer_params": push_prefill_params(request_id)}
             with self.metrics.prefill_seconds.time():
-                response = await asyncio.wait_for(
-                    self.client.post(backend.url + route, json=leg, headers=headers),
-                    timeout=self.config.prefill_timeout)
+                response = await asyncio.wait_for(self.post(backend.url + route, leg, headers),
+                                                  timeout=self.config.prefill_timeout)
             outcome = "ok" if response.status_code == 200 else f"http_{response.status_code}"
         except (TimeoutError, httpx.TimeoutException):
             outcome = "timeout"
-        except httpx.TransportError:
+        except httpx.TransportError as e:
+            self.manager.leg_failed(backend, "prefill leg", e)
             outcome = "unreachable"
         finally:
             self.prefill.end_leg(decision)
@@ -222,16 +240,17 @@ class DisaggProxy:
         index = self.manager.index
         started_at = time.monotonic()
         self.prefill.start_leg(decision)
-        if index is not None:
+        if index is not None and len(backend.index_keys) == 1:  # with ranks, P picks one: unknown yet
             index.expect(backend.url, request_id, prompt)
         try:
             with self.metrics.prefill_seconds.time():
-                outcome, answer = await self._post_prefill(backend, route, body, request_id, headers)
+                outcome, answer, dp_rank = await self._post_prefill(backend, route, body, request_id, headers)
         finally:
             self.prefill.end_leg(decision)
         prompt_tokens, cached = _usage_tokens(answer)
-        if index is not None:
-            index.settle(backend.url, request_id, started_at, prompt_tokens, cached)
+        if index is not None:  # on the entry of the rank that answered, when P has several
+            key = backend.url if len(backend.index_keys) == 1 else rank_key(backend.url, dp_rank)
+            index.settle(key, request_id, started_at, prompt_tokens, cached)
         if decision.predicted_hit_tokens is not None and cached is not None:
             self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, cached)
         self.manager.reap()
@@ -257,25 +276,27 @@ class DisaggProxy:
         return Prefilled(params, source=backend)
 
     async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
-                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None]:
-        """(outcome, P's answer): the answer is None unless P answered 200 with a JSON object."""
+                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None, int]:
+        """(outcome, P's answer, the data-parallel rank that answered): the answer is None unless
+        P answered 200 with a JSON object; the rank is 0 unless P names another one."""
         try:
             response = await asyncio.wait_for(
-                self.client.post(backend.url + route, json=prefill_body(body, request_id), headers=headers),
+                self.post(backend.url + route, prefill_body(body, request_id), headers),
                 timeout=self.config.prefill_timeout)
         except (TimeoutError, httpx.TimeoutException):
-            return "timeout", None
+            return "timeout", None, 0
         except httpx.TransportError as e:
-            if isinstance(e, httpx.ConnectError):
-                self.manager.mark_down(backend, repr(e))
-            return "unreachable", None
+            self.manager.leg_failed(backend, "prefill leg", e)
+            return "unreachable", None, 0
+        rank = response.headers.get(DP_RANK_HEADER, "0")
+        dp_rank = int(rank) if rank.isdigit() else 0
         if response.status_code != 200:
-            return f"http_{response.status_code}", None
+            return f"http_{response.status_code}", None, dp_rank
         try:
             answer = response.json()
         except ValueError:
-            return "bad_response", None
-        return ("ok", answer) if isinstance(answer, dict) else ("bad_response", None)
+            return "bad_response", None, dp_rank
+        return ("ok", answer, dp_rank) if isinstance(answer, dict) else ("bad_response", None, dp_rank)
 
     # ------------------------------------------------------------------ decode leg
 
@@ -283,15 +304,16 @@ class DisaggProxy:
                           prompt: PromptBlocks, source: Backend | None) -> DecodeLeg | Response:
         """Send a decode leg: the open leg, or the Response to answer with when no D can take it
         (D's own errors pass through unchanged). A D that refuses the connection is marked down
-        and the leg goes to another one (nothing was sent, so nothing runs twice)."""
+        and the leg goes to another one (nothing was sent, so nothing runs twice). With every D
+        down, they are asked again first; the 503 names each one tried."""
         last_error: Exception | None = None
         for _ in range(max(1, len(self.decode.backends))):
             try:
-                decision = self.decode.choose(prompt)
+                decision = await self.manager.choose("decode", prompt)
             except NoInstanceError as e:
                 self.metrics.errors.labels(kind="no_decode_instance").inc()
                 return openai_error(503, f"{e}; retry later" if last_error is None else
-                                    f"every decode instance is unreachable (last: {last_error!r})")
+                                    f"every decode instance is unreachable (last: {last_error!r}); {e}")
             self.count_decision("decode", decision)
             self.decode.start_leg(decision)
             if source is not None:
@@ -299,15 +321,14 @@ class DisaggProxy:
             if self.config.aggregated and self.manager.index is not None:
                 self.manager.index.expect(decision.backend.url, request_id, prompt)  # D computes it
             try:
-                upstream = await self.client.send(self.client.build_request(
-                    "POST", decision.backend.url + route, json=body, headers=headers), stream=True)
+                upstream = await self.post(decision.backend.url + route, body, headers, stream=True)
             except httpx.TransportError as e:
                 self._end_decode(decision, source, "error", request_id)
                 self.metrics.errors.labels(kind="decode_unreachable").inc()
                 logger.warning("request %s: decode leg to %s failed: %r", request_id, decision.backend.url, e)
                 if not isinstance(e, httpx.ConnectError):
                     return openai_error(502, f"decode instance {decision.backend.url} is unreachable: {e!r}")
-                self.manager.mark_down(decision.backend, repr(e))
+                self.manager.leg_failed(decision.backend, "decode leg", e)
                 last_error = e
                 continue
             leg = DecodeLeg(decision, upstream, source)
@@ -377,13 +398,13 @@ class DisaggProxy:
     async def models(self, request: Request) -> Response:
         """GET /v1/models, answered by a decode instance."""
         try:
-            backend = self.decode.pick()
+            backend = (await self.manager.choose("decode")).backend
         except NoInstanceError as e:
             return openai_error(503, str(e))
         headers = self.headers(f"kvrelay-{uuid.uuid4().hex}", httpx.Headers(dict(request.headers)))
         try:
-            upstream = await self.client.get(backend.url + "/v1/models", headers=headers,
-                                             timeout=self.config.health_timeout * 5)
+            upstream = await self.connections.send(self.client.build_request(
+                "GET", backend.url + "/v1/models", headers=headers, timeout=self.config.health_timeout * 5))
         except httpx.TransportError as e:
             self.metrics.errors.labels(kind="decode_unreachable").inc()
             return openai_error(502, f"decode instance {backend.url} is unreachable: {e!r}")
@@ -403,11 +424,11 @@ class DisaggProxy:
     async def _check(self, backend: Backend) -> dict[str, Any]:
         report: dict[str, Any] = {"url": backend.url, "healthy": False, "in_flight": backend.in_flight,
                                   "state": backend.state.value}
-        healthy, error = await self.manager.check(backend.url)
-        report["healthy"] = healthy
-        if error is not None:
-            report["error"] = error
-        self.metrics.backend_up.labels(backend=backend.url).set(1 if healthy else 0)
+        result = await self.manager.check(backend.url)
+        report["healthy"] = result.healthy
+        if result.error is not None:
+            report["error"] = result.error
+        self.metrics.backend_up.labels(backend=backend.url).set(1 if result.healthy else 0)
         return report
 
 

@@ -62,6 +62,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--health-interval", type=float, default=2.0,
                    help="seconds between health checks of every instance; one that fails leaves routing "
                         "until it answers again (default 2; 0: no checks)")
+    p.add_argument("--keepalive-expiry", type=float, default=2.0,
+                   help="seconds an idle connection to an instance is kept for the next leg; keep it "
+                        "below the instances' keep-alive timeout (uvicorn, vLLM and kvrelay serve: 5 s) "
+                        "(default 2)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.set_defaults(func=cmd_proxy)
 
@@ -82,6 +86,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          transfer_mode=args.transfer_mode, prefill_kv_addresses=tuple(args.prefill_kv),
                          prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
                          admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval,
+                         keepalive_expiry=args.keepalive_expiry,
                          vllm_prefix_caching_hash_algo=args.vllm_prefix_caching_hash_algo,
                          vllm_pythonhashseed=args.vllm_pythonhashseed)
     app = build_app(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.disagg.connections import KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
 from kvrelay.disagg.routing.instances import HashSettings
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 
@@ -20,6 +21,9 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     health_timeout: float = 2.0
     max_connections: int = 512
+    # Seconds an idle connection to an instance is kept for the next leg: below the instances'
+    # keep-alive timeout (SERVER_KEEP_ALIVE_S for uvicorn, vLLM and kvrelay serve), see connections.py.
+    keepalive_expiry: float = KEEPALIVE_EXPIRY_S
     # "push" (NixlPushConnector clusters): both legs start at once; see push_mode.py. Needs each
     # prefill instance's KV side-channel address ("host:port"), in the order of prefill_urls.
     transfer_mode: str = "pull"
@@ -38,7 +42,7 @@ class ProxyConfig:
     # Membership: the admin API's key (None: the admin API is off), and the health checks.
     admin_key: str | None = None
     health_interval: float = 2.0  # seconds between two checks of every instance (0: no checks)
-    health_timeouts_to_drop: int = 2  # checks without an answer that take an instance out
+    health_timeouts_to_drop: int = 2  # timed-out checks that take it out (as disagg/health.py counts them)
 
     def __post_init__(self) -> None:
         for name in ("prefill_routing", "decode_routing"):
@@ -46,6 +50,9 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
         if self.health_interval < 0:
             raise ValueError(f"health_interval must be >= 0 seconds, got {self.health_interval}")
+        if self.keepalive_expiry < 0:
+            raise ValueError(f"keepalive_expiry must be >= 0 seconds (and below the instances' keep-alive "
+                             f"timeout, {SERVER_KEEP_ALIVE_S:g} s by default), got {self.keepalive_expiry}")
         if self.health_timeouts_to_drop < 1:
             raise ValueError(f"health_timeouts_to_drop must be >= 1, got {self.health_timeouts_to_drop}")
         if self.aggregated and self.transfer_mode != "pull":

@@ -33,6 +33,13 @@ class ProxyMetrics:
                                                        decode_http_<status>, client_disconnected, ...
     kvrelay_proxy_prefill_seconds                      duration of the prefill leg
     kvrelay_proxy_backend_up{backend}                  1 if the backend's last /health was 200
+    kvrelay_proxy_marked_down_total{role, backend, reason}
+                                                       instances taken out of routing, by why:
+                                                       unreachable | disconnected | timeout |
+                                                       http_<status> (docs/routing.md)
+    kvrelay_proxy_stale_connection_retries_total{backend}
+                                                       requests sent again on a fresh connection
+                                                       after a reused one proved stale
     kvrelay_proxy_routing_decisions_total{role, policy, reason}
                                                        each leg's choice, by why (routing/policies.py)
     kvrelay_proxy_prefix_hit_tokens_total{kind}        prefill legs' prompt tokens cached on the
@@ -69,6 +76,9 @@ class ProxyMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         self.backend_up = Gauge("kvrelay_proxy_backend_up", "1 if the backend's last /health was 200",
                                 ["backend"], registry=self.registry)
+        self.stale_retries = Counter("kvrelay_proxy_stale_connection_retries",
+                                     "Requests sent again on a fresh connection after a stale reused one",
+                                     ["backend"], registry=self.registry)
         self.decisions = Counter("kvrelay_proxy_routing_decisions", "Routing decisions, by reason",
                                  ["role", "policy", "reason"], registry=self.registry)
         self.prefix_hit_tokens = Counter("kvrelay_proxy_prefix_hit_tokens",
@@ -99,6 +109,7 @@ class PoolCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         yield self._pool_sizes()
+        yield self._mark_downs()
         if self.manager.index is not None and self.manager.subscriber is not None:
             yield from self._index_metrics()
 
@@ -109,6 +120,13 @@ class PoolCollector(Collector):
             for state in ("active", "down", "draining"):
                 sizes.add_metric([role, state], sum(b.state.value == state for b in pool.backends))
         return sizes
+
+    def _mark_downs(self) -> Metric:
+        downs = CounterMetricFamily("kvrelay_proxy_marked_down", "Instances taken out of routing, by reason",
+                                    labels=["role", "backend", "reason"])
+        for (role, url, reason), count in self.manager.downs.items():
+            downs.add_metric([role, url, reason], count)
+        return downs
 
     def _index_metrics(self) -> Iterable[Metric]:
         index, subscriber = self.manager.index, self.manager.subscriber

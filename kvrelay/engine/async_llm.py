@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 # instead of a busy loop of empty steps.
 _IDLE_POLL_S = 0.002
 _SHUTDOWN_DRAIN_S = 2.0
+# An idle engine thread asks its executor this often whether its worker processes still live, so
+# a worker killed between requests fails the engine (and /health) at once, not at the next request.
+_IDLE_HEALTH_CHECK_S = 0.5
 
 StatsListener = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -162,6 +165,37 @@ class AsyncLLM:
         self._listeners.append(listener)
 
     @property
+    def dp_rank(self) -> int | None:
+        """This engine's data-parallel rank; None when it is not one of several."""
+        parallel = self.engine.config.parallel
+        return (parallel.data_parallel_rank or 0) if parallel.data_parallel else None
+
+    @property
+    def ranks(self) -> list[AsyncLLM]:
+        """The engines behind this endpoint: this one (kvrelay.engine.data_parallel has several)."""
+        return [self]
+
+    def pick_rank(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any] | None,
+                  dp_rank: int | None = None) -> AsyncLLM:
+        """The engine that serves a request: this one. A rank the caller names (vLLM's
+        X-data-parallel-rank) must be this engine's own: ValueError naming it otherwise."""
+        own, size = self.dp_rank or 0, self.engine.config.parallel.data_parallel_size
+        if dp_rank is None or dp_rank == own:
+            return self
+        if self.dp_rank is None:
+            raise ValueError(f"data_parallel_rank {dp_rank} is out of range [0, 1): this server runs one "
+                             "engine (start it with --data-parallel-size N for ranks)")
+        raise ValueError(f"data_parallel_rank {dp_rank}: this server runs data-parallel rank {own} of {size} "
+                         f"alone (--data-parallel-rank); send the request to rank {dp_rank}'s server")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /health."""
+        reason = self.dead_reason
+        if reason is not None:
+            return 503, {"status": "unhealthy", "reason": reason}
+        return 200, {"status": "ok"}
+
+    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None and not self._stopping
 
@@ -219,7 +253,7 @@ class AsyncLLM:
         """Handle queued commands; block for one when idle. False once asked to stop."""
         try:
             if not self.engine.has_pending_work():
-                command = self._commands.get()
+                command = self._wait_for_command()
             elif self._made_no_progress:
                 command = self._commands.get(timeout=_IDLE_POLL_S)
             else:
@@ -236,6 +270,15 @@ class AsyncLLM:
                 break
         self._publish_stats()  # admissions and aborts change the counts even without a step
         return True
+
+    def _wait_for_command(self) -> _Add | _Abort | _Stop:
+        """Block for the next command, checking the workers while none comes (WorkerFailedError,
+        and the thread's crash path, when one died)."""
+        while True:
+            try:
+                return self._commands.get(timeout=_IDLE_HEALTH_CHECK_S)
+            except queue.Empty:
+                self.engine.check_health()
 
     def _handle(self, command: _Add | _Abort) -> None:
         stream = command.stream

@@ -15,7 +15,7 @@ from kvrelay.core.scheduler import Scheduler
 from kvrelay.engine.output_processor import OutputProcessor
 from kvrelay.engine.parallel_sampling import ParallelSampling
 from kvrelay.executor import create_executor
-from kvrelay.kv_events.base import EventPublisher
+from kvrelay.kv_events.base import EventPublisher, FanOutPublisher
 from kvrelay.kv_transfer import wakeup
 from kvrelay.kv_transfer.protocols import SchedulerConnector
 from kvrelay.model.loader import LoadedModel, checkpoint_dtype, load_model, weights_dtype
@@ -34,11 +34,18 @@ IDLE_STEP_SLEEP_S = 0.0005
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 event_sink: EventPublisher | None = None) -> None:
+        """`event_sink`: also hand each step's KV events to it (a data-parallel front end's KV
+        index), whether or not `config` publishes them over ZeroMQ."""
+        if config.parallel.is_data_parallel_group:
+            raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size} describes several "
+                             "engines: start them with kvrelay.engine.data_parallel.DataParallelLLM, or "
+                             "run one with config.for_data_parallel_rank(rank)")
         mcfg = config.model
         if loaded is None:
             config = _with_dtype(config, checkpoint_dtype(mcfg.model))
-            loaded = load_model(mcfg.model, dtype=torch_dtype(config.model.dtype))
+            loaded = load_engine_model(config)
         else:
             config = _with_dtype(config, weights_dtype(loaded.weights))
         self.config = config
@@ -75,7 +82,7 @@ class LLMEngine:
             self.max_model_len = self._max_model_len(config)
             self.executor.initialize_kv_cache(self.num_blocks, self.max_model_len)
             self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len, connector,
-                                       self._build_event_publisher(config))
+                                       self._build_event_publisher(config, event_sink))
         except BaseException:
             if connector is not None:
                 connector.shutdown()
@@ -126,11 +133,18 @@ class LLMEngine:
                                                          self.kv_cache_spec())
         return connector
 
-    def _build_event_publisher(self, config: EngineConfig) -> EventPublisher | None:
-        if config.kv_events is None or not config.kv_events.publishes:
+    def _build_event_publisher(self, config: EngineConfig, event_sink: EventPublisher | None
+                               ) -> EventPublisher | None:
+        rank = config.parallel.data_parallel_rank or 0
+        publishers = [] if event_sink is None else [event_sink]
+        if config.kv_events is not None and config.kv_events.publishes:
+            from kvrelay.kv_events.zmq_publisher import create_publisher
+            publishers.insert(0, create_publisher(config.kv_events, rank))
+        if not publishers:
             return None
-        from kvrelay.kv_events.zmq_publisher import create_publisher
-        return create_publisher(config.kv_events)
+        if len(publishers) == 1 and event_sink is None:
+            return publishers[0]
+        return FanOutPublisher(publishers, rank)
 
     def kv_cache_spec(self) -> Any:
         """The KVCacheSpec of one rank's cache."""
@@ -203,6 +217,10 @@ class LLMEngine:
             wakeup.wait(IDLE_STEP_SLEEP_S)
         return outputs
 
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a worker process is known to be gone (no message is sent)."""
+        self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -239,6 +257,13 @@ class LLMEngine:
             num_waiting_for_remote_kv=self.scheduler.num_waiting_for_remote_kv,
             kv_cache_dtype=self.kv.format.name, kv_bytes_per_token=self.kv.bytes_per_token)
         return stats
+
+
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, loaded as an engine loads it (--dtype auto resolved from the
+    checkpoint); several engines of one model can share it (LLMEngine's `loaded`)."""
+    config = _with_dtype(config, checkpoint_dtype(config.model.model))
+    return load_model(config.model.model, dtype=torch_dtype(config.model.dtype))
 
 
 def _with_dtype(config: EngineConfig, checkpoint: str | None) -> EngineConfig:

@@ -58,6 +58,8 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None  # None: `serve` runs every rank; R: rank R alone
     enforce_eager: bool = False
     attention_backend: str = "auto"
     threads: int | None = None  # None: torch's default
@@ -90,8 +92,7 @@ class EngineArgs:
                                 cache_dtype=self.kv_cache_dtype)
             scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                         max_num_batched_tokens=self.max_num_batched_tokens)
-            parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                      distributed_executor_backend=self.distributed_executor_backend)
+            parallel = self._parallel_config()
         from kvrelay.kv_events.config import KVEventsConfig
         from kvrelay.kv_transfer.config import KVTransferConfig
         try:
@@ -102,8 +103,35 @@ class EngineArgs:
             kv_events = KVEventsConfig.from_any(self.kv_events_config)
         except ValueError as e:
             raise ValueError(f"argument --kv-events-config: {e}") from None
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
-                            kv_transfer=kv_transfer, kv_events=kv_events)
+        config = EngineConfig(model=model, cache=cache, scheduler=scheduler, parallel=parallel,
+                              kv_transfer=kv_transfer, kv_events=kv_events)
+        return self._data_parallel(config)
+
+    def _parallel_config(self) -> ParallelConfig:
+        backend = self.distributed_executor_backend
+        if self.data_parallel_size > 1 and self.data_parallel_rank is None:
+            if backend == "uni":
+                raise ValueError("distributed_executor_backend 'uni' runs the worker in the server's "
+                                 "process, but each data-parallel rank runs in its own: drop it (or use "
+                                 "'mp')")
+            backend = "mp"
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              distributed_executor_backend=backend,
+                              data_parallel_size=self.data_parallel_size,
+                              data_parallel_rank=self.data_parallel_rank)
+
+    @staticmethod
+    def _data_parallel(config: EngineConfig) -> EngineConfig:
+        """Check the whole group's KV ports (and every rank's config) now, before anything loads;
+        with --data-parallel-rank, the config of that rank alone."""
+        from kvrelay.kv_transfer.config import check_kv_port_range
+
+        parallel = config.parallel
+        check_kv_port_range(config.kv_transfer, parallel.tensor_parallel_size, parallel.data_parallel_size)
+        rank = parallel.data_parallel_rank
+        group = dataclasses.replace(config, parallel=dataclasses.replace(parallel, data_parallel_rank=None))
+        rank_configs = [group.for_data_parallel_rank(r) for r in range(parallel.data_parallel_size)]
+        return config if rank is None else rank_configs[rank]
 
     def llm_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `LLM(...)` these flags ask for."""
@@ -164,6 +192,15 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("distributed_executor_backend", "'uni': the worker runs in this process (default at TP 1); "
                                                "'mp': one worker process per rank (default above TP 1)",
                choices=("uni", "mp"), commands=_RUNS_RANKS),
+    EngineFlag("data_parallel_size", "run this many whole engines (ranks) behind this server's one endpoint, "
+                                     "each in its own worker processes with its own KV cache, engine id "
+                                     "<id>_dp<rank> and KV ports from kv_port + rank * tensor_parallel_size; "
+                                     "with --data-parallel-rank: the size of the group that rank is one of",
+               type=int, aliases=("-dp",), commands=frozenset({"serve"})),
+    EngineFlag("data_parallel_rank", "run only this rank of a --data-parallel-size group (a balancer outside "
+                                     "picks ranks, e.g. the kvrelay proxy or llm-d), with the same ports and "
+                                     "engine id as that rank of the group", type=int, aliases=("-dpn",),
+               commands=frozenset({"serve"})),
     EngineFlag("enforce_eager", "run every step eagerly: no CUDA graphs", switch=True),
     EngineFlag("attention_backend", "the attention route: auto (cpu on the CPU, triton on CUDA), cpu "
                                     "(native kernels), torch (the reference, any device), triton (CUDA)",

@@ -21,6 +21,11 @@ a 4xx naming the field (never a 500), and the server keeps serving:
 Request ids: the body's `request_id`, else the `X-Request-Id` header, else a random one. An id
 already in flight gets a suffix (see kvrelay.engine.async_llm); the response's `id` is
 `cmpl-<id>` / `chatcmpl-<id>` with the id the engine used, echoed in the `X-Request-Id` header.
+
+Data parallelism (kvrelay.engine.data_parallel): the server fronts one engine or several ranks.
+Each prompt goes to the rank the engine client picks, or to the one the `X-data-parallel-rank`
+header names (vLLM's; 400 when there is no such rank, 503 when it is down); a one-prompt answer
+says which rank served it in the same header. /health, /metrics and /kv_events cover every rank.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvrelay
-from kvrelay.engine.async_llm import AsyncLLM
+from kvrelay.engine.async_llm import AsyncLLM, EngineDeadError
+from kvrelay.engine.data_parallel import RANK_HEADER, DataParallelLLM, RankLeg
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
 from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
 from kvrelay.entrypoints.protocol import (
@@ -85,16 +91,22 @@ def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
 
 
+EngineClient = AsyncLLM | DataParallelLLM  # one engine, or data-parallel ranks behind one endpoint
+
+
 class OpenAIServer:
     """The route logic, kept apart from FastAPI's wiring."""
 
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str, api_key: str | None) -> None:
+    def __init__(self, async_llm: EngineClient, served_model_name: str, api_key: str | None) -> None:
         self.async_llm = async_llm
         self.served_model_name = served_model_name
         self.model_names = {served_model_name, async_llm.model_name}
         self.api_key = api_key
-        self.metrics = ServerMetrics(async_llm.stats)
-        async_llm.add_stats_listener(self.metrics.on_engine_stats)
+        ranks = async_llm.ranks
+        self.metrics = ServerMetrics(ranks[0].stats, [(llm.dp_rank, llm.stats) for llm in ranks
+                                                      if llm.dp_rank is not None])
+        for llm in ranks:
+            llm.add_stats_listener(self.metrics.stats_listener(llm.dp_rank))
 
     # ----------------------------------------------------------------------------- checks
     async def check_api_key(self, request: Request) -> None:
@@ -187,16 +199,20 @@ class OpenAIServer:
                         ctx: ResponseContext) -> Response:
         _field_error(lambda: check_kv_transfer_params(req.kv_transfer_params), "kv_transfer_params")
         self.check_alive()
+        named_rank = _named_rank(request)
+        legs = [self._pick_rank(p["prompt_token_ids"], req.kv_transfer_params, named_rank) for p in prompts]
         request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(prompts) > 1:
             ctx.request_id = request_id
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
-        streams = [self._observed(self.async_llm.generate(p, params, rid, req.kv_transfer_params))
-                   for p, rid in zip(prompts, ids, strict=True)]
+        streams = [self._observed(leg.generate(p, params, rid, req.kv_transfer_params), leg.dp_rank)
+                   for leg, p, rid in zip(legs, prompts, ids, strict=True)]
+        served_by = legs[0].dp_rank if len(legs) == 1 else None
+        rank_header = {} if served_by is None else {RANK_HEADER: str(served_by)}
         if req.stream:
             return DisconnectAwareStreamingResponse(self._stream(streams, ctx),
                                                     media_type="text/event-stream",
-                                                    headers={"X-Request-Id": request_id})
+                                                    headers={"X-Request-Id": request_id, **rank_header})
         try:
             finals = await unless_disconnected(request, final_outputs(streams))
         except StreamFailedError as e:
@@ -207,7 +223,18 @@ class OpenAIServer:
             if any(c.finish_reason == "error" for c in final.outputs):
                 raise APIError(500, f"the engine failed the request: {final.error or 'unknown error'}")
         response_id = request_id if len(finals) > 1 else finals[0].request_id
-        return JSONResponse(full_response(ctx, finals), headers={"X-Request-Id": response_id})
+        return JSONResponse(full_response(ctx, finals), headers={"X-Request-Id": response_id, **rank_header})
+
+    def _pick_rank(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any] | None,
+                   named_rank: int | None) -> AsyncLLM | RankLeg:
+        """The engine (rank) that serves one prompt: 400 for a rank that does not exist, 503 for
+        one that is down (or when every rank is)."""
+        try:
+            return self.async_llm.pick_rank(prompt_token_ids, kv_transfer_params, named_rank)
+        except ValueError as e:
+            raise APIError(400, f"{RANK_HEADER} header: {e}", RANK_HEADER) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
 
     async def _stream(self, streams: list[AsyncIterator[RequestOutput]],
                       ctx: ResponseContext) -> AsyncIterator[str]:
@@ -233,7 +260,8 @@ class OpenAIServer:
             yield usage_chunk
         yield sse("[DONE]")
 
-    async def _observed(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _observed(self, outputs: AsyncIterator[RequestOutput],
+                        dp_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Pass one engine request's outputs through, observing TTFT, inter-token latency (per
         step: the time since the previous step that gave this request tokens, over the tokens any
         one choice got) and each choice's finish reason."""
@@ -248,20 +276,21 @@ class OpenAIServer:
                 if n_new:
                     now = time.monotonic()
                     if not seen_token:
-                        self.metrics.time_to_first_token.observe(now - arrival)
+                        self.metrics.of_rank(self.metrics.time_to_first_token, dp_rank).observe(now - arrival)
                         seen_token = True
                     else:
-                        self.metrics.inter_token_latency.observe((now - last) / n_new)
+                        self.metrics.of_rank(self.metrics.inter_token_latency, dp_rank).observe(
+                            (now - last) / n_new)
                     last = now
                 yield out
         except Exception:
             failed = True
             raise
         finally:
-            self._count_finished(latest, failed)
+            self._count_finished(latest, failed, dp_rank)
             await outputs.aclose()  # type: ignore[attr-defined]
 
-    def _count_finished(self, latest: RequestOutput | None, failed: bool) -> None:
+    def _count_finished(self, latest: RequestOutput | None, failed: bool, dp_rank: int | None) -> None:
         """One count per choice: its finish reason; "error" or "abort" (the client left) when the
         request did not finish."""
         choices = latest.outputs if latest is not None else [None]
@@ -272,7 +301,7 @@ class OpenAIServer:
                 outcome = "abort"
             else:
                 outcome = completion.finish_reason
-            self.metrics.requests_finished.labels(outcome).inc()
+            self.metrics.of_rank(self.metrics.requests_finished, dp_rank, outcome).inc()
 
     # ----------------------------------------------------------------------------- other routes
     def models(self) -> dict[str, Any]:
@@ -312,24 +341,31 @@ class OpenAIServer:
 
     def kv_events(self) -> dict[str, Any]:
         """Where this instance publishes KV events (docs/routing.md): a router subscribes there.
-        A wildcard host (tcp://*:5557) means "this instance's host"."""
-        engine = self.async_llm.engine
+        A wildcard host (tcp://*:5557) means "this instance's host". With data-parallel ranks,
+        rank 0's stream at the top and every rank's under "ranks" (each batch also says its rank)."""
+        ranks = self.async_llm.ranks
+        engine = ranks[0].engine
         config = engine.config.kv_events
         if config is None or not config.publishes:
             return {"enabled": False}
-        return {"enabled": True, "endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
-                "topic": config.topic, "block_size": engine.config.cache.block_size}
+        answer = {"enabled": True, "endpoint": config.endpoint, "replay_endpoint": config.replay_endpoint,
+                  "topic": config.topic, "block_size": engine.config.cache.block_size}
+        if ranks[0].dp_rank is not None:
+            answer["data_parallel_size"] = engine.config.parallel.data_parallel_size
+            answer["ranks"] = [{"dp_rank": llm.dp_rank, "endpoint": llm.engine.config.kv_events.endpoint,
+                                "replay_endpoint": llm.engine.config.kv_events.replay_endpoint}
+                               for llm in ranks]
+        return answer
 
     def health(self) -> JSONResponse:
-        reason = self.async_llm.dead_reason
-        if reason is not None:
-            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        status, body = self.async_llm.health()
+        return JSONResponse(body, status_code=status)
 
 
-def build_app(async_llm: AsyncLLM, served_model_name: str | None = None,
+def build_app(async_llm: EngineClient, served_model_name: str | None = None,
               api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `async_llm`. It does not own the AsyncLLM: shut that down yourself."""
+    """The FastAPI app serving `async_llm` (one engine, or a DataParallelLLM's ranks). It does not
+    own it: shut that down yourself."""
     server = OpenAIServer(async_llm, served_model_name or async_llm.model_name, api_key)
     app = FastAPI(title="kvrelay", version=kvrelay.__version__)  # /openapi.json, /docs, /redoc
     app.state.server = server
@@ -398,6 +434,18 @@ async def _read_json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", "body")
     return body
+
+
+def _named_rank(request: Request) -> int | None:
+    """The data-parallel rank the caller names in vLLM's header, if any; 400 when it is no rank."""
+    raw = request.headers.get(RANK_HEADER)
+    if raw is None:
+        return None
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise APIError(400, f"{RANK_HEADER} header: must be a data-parallel rank (an integer), got {raw!r}",
+                       RANK_HEADER) from None
 
 
 def _parse(model: type[RequestT], body: dict[str, Any]) -> RequestT:

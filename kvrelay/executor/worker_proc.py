@@ -50,6 +50,7 @@ class WorkerProcessArgs:
 def run_worker_process(args: WorkerProcessArgs, conn: Connection) -> None:
     """Process entry point. Exits 0 after a clean shutdown, 1 after an error."""
     _die_with_engine()
+    _name_process(args.plan.config.parallel.data_parallel_rank, args.rank)
     try:
         worker = _start_worker(args)
         ready = WorkerReply(kind="ready", rank=args.rank, num_blocks=worker.determine_num_blocks())
@@ -93,6 +94,21 @@ def _die_with_engine() -> None:
         return
     if os.getppid() == 1:  # the engine died before the request took effect
         os._exit(1)
+
+
+def _name_process(dp_rank: int | None, tp_rank: int) -> None:
+    """Name the process after its ranks (`kvrelay-dp1tp0`, what `ps -o comm` and top show), so
+    an operator can tell the worker of one data-parallel rank from another's."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15  # linux/prctl.h; the kernel keeps the first 15 bytes
+    name = f"kvrelay-{'' if dp_rank is None else f'dp{dp_rank}'}tp{tp_rank}"
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
+    except (OSError, AttributeError):
+        return
 
 
 def _start_worker(args: WorkerProcessArgs) -> Worker:

@@ -27,3 +27,22 @@ class NullEventPublisher(EventPublisher):
 
     def shutdown(self) -> None:
         return None
+
+
+class FanOutPublisher(EventPublisher):
+    """Every batch to several publishers in turn (e.g. the ZeroMQ socket and the in-process KV
+    index of a data-parallel front end), each batch stamped with the rank first."""
+
+    def __init__(self, publishers: list[EventPublisher], data_parallel_rank: int = 0) -> None:
+        self.publishers = publishers
+        self.data_parallel_rank = data_parallel_rank
+
+    def publish(self, batch: KVEventBatch) -> None:
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
+        for publisher in self.publishers:
+            publisher.publish(batch)
+
+    def shutdown(self) -> None:
+        for publisher in self.publishers:
+            publisher.shutdown()

@@ -13,7 +13,7 @@ address, and connected to otherwise (a collector that binds); `replay_endpoint` 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 PUBLISHERS = ("null", "zmq")
@@ -68,6 +68,15 @@ class KVEventsConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def for_data_parallel_rank(self, dp_rank: int) -> KVEventsConfig:
+        """Where data-parallel rank `dp_rank` publishes (vLLM's rule, so its subscribers find the
+        ranks): a tcp port moves up by the rank (port 0, "any", stays), an ipc:// or inproc://
+        address gets `_dp<rank>`. Rank 0 keeps the addresses as given."""
+        endpoint = offset_endpoint(self.endpoint, dp_rank)
+        assert endpoint is not None
+        replay_endpoint = offset_endpoint(self.replay_endpoint, dp_rank)
+        return replace(self, endpoint=endpoint, replay_endpoint=replay_endpoint)
+
     @classmethod
     def from_any(cls, value: KVEventsConfig | dict[str, Any] | str | None) -> KVEventsConfig | None:
         """Build from a config, a dict, or a JSON object string; None stays None (no events).
@@ -90,6 +99,23 @@ class KVEventsConfig:
             raise ValueError(f"unknown kv_events_config key(s) {', '.join(map(repr, unknown))}; "
                              f"known keys: {', '.join(_KEY_TYPES)}")
         return cls(**value)
+
+
+def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
+    """`endpoint` for data-parallel rank `dp_rank` (see KVEventsConfig.for_data_parallel_rank);
+    ValueError when the moved tcp port would pass 65535."""
+    if endpoint is None or dp_rank == 0:
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}_dp{dp_rank}"
+    address, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return endpoint
+    moved = int(port) + dp_rank
+    if moved > 65535:
+        raise ValueError(f"kv_events_config endpoint {endpoint!r}: data-parallel rank {dp_rank} would "
+                         f"publish on port {moved}, past 65535; give a port of at most {65535 - dp_rank}")
+    return f"{address}:{moved}"
 
 
 def _check_type(key: str, value: Any, expected: type, nullable: bool) -> None:

@@ -9,7 +9,7 @@ running in the engine thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -42,63 +42,89 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class EngineStatsCollector(Collector):
-    """Gauges and counters from the engine's latest stats snapshot."""
+StatsReader = Callable[[], dict[str, Any]]
 
-    def __init__(self, read_stats: Callable[[], dict[str, Any]]) -> None:
-        self.read_stats = read_stats
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters from the engines' latest stats snapshots: one engine's, unlabelled,
+    or one per data-parallel rank, each sample labelled `dp_rank`."""
+
+    def __init__(self, read_stats: StatsReader, ranks: Sequence[tuple[int, StatsReader]] = ()) -> None:
+        self.sources: list[tuple[int | None, StatsReader]] = (
+            [(dp_rank, read) for dp_rank, read in ranks] if ranks else [(None, read_stats)])
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.read_stats()
-        for name, (key, help_text) in _GAUGES.items():
-            yield GaugeMetricFamily(name, help_text, value=float(stats.get(key, 0)))
-        for name, (key, help_text) in _COUNTERS.items():
-            yield CounterMetricFamily(name, help_text, value=float(stats.get(key, 0)))
-        if "kv_bytes_per_token" in stats:
-            per_token = GaugeMetricFamily(
-                "kvrelay_kv_cache_bytes_per_token",
-                "KV cache bytes per token over all layers (what a transfer moves per token), by format.",
-                labels=["kv_cache_dtype"])
-            per_token.add_metric([str(stats.get("kv_cache_dtype", ""))], float(stats["kv_bytes_per_token"]))
-            yield per_token
-        loopback = stats.get("kv_transfer_loopback_gbps") or {}
-        if loopback:
-            gauge = GaugeMetricFamily(
-                "kvrelay_kv_transfer_loopback_gbps",
-                "GB/s of the start-up loopback transfer on the KV device, by backend and the path it took.",
-                labels=["backend", "path"])
-            for label, gbps in sorted(loopback.items()):
+        snapshots = [(rank, read()) for rank, read in self.sources]
+        rank_label = ["dp_rank"] if snapshots[0][0] is not None else []
+
+        def labels(rank: int | None, *values: str) -> list[str]:
+            return [*values, *([] if rank is None else [str(rank)])]
+
+        for families, kind in ((_GAUGES, GaugeMetricFamily), (_COUNTERS, CounterMetricFamily)):
+            for name, (key, help_text) in families.items():
+                family = kind(name, help_text, labels=rank_label)
+                for rank, stats in snapshots:
+                    family.add_metric(labels(rank), float(stats.get(key, 0)))
+                yield family
+        per_token = GaugeMetricFamily(
+            "kvrelay_kv_cache_bytes_per_token",
+            "KV cache bytes per token over all layers (what a transfer moves per token), by format.",
+            labels=["kv_cache_dtype", *rank_label])
+        gauge = GaugeMetricFamily(
+            "kvrelay_kv_transfer_loopback_gbps",
+            "GB/s of the start-up loopback transfer on the KV device, by backend and the path it took.",
+            labels=["backend", "path", *rank_label])
+        for rank, stats in snapshots:
+            if "kv_bytes_per_token" in stats:
+                per_token.add_metric(labels(rank, str(stats.get("kv_cache_dtype", ""))),
+                                     float(stats["kv_bytes_per_token"]))
+            for label, gbps in sorted((stats.get("kv_transfer_loopback_gbps") or {}).items()):
                 backend, _, path = label.partition(":")
-                gauge.add_metric([backend, path], float(gbps))
-            yield gauge
+                gauge.add_metric(labels(rank, backend, path), float(gbps))
+        for family in (per_token, gauge):
+            if family.samples:
+                yield family
 
 
 class ServerMetrics:
-    """The metrics of one `kvrelay serve` app."""
+    """The metrics of one `kvrelay serve` app. With `ranks` (data parallelism: (dp_rank, stats)
+    per rank) every metric carries a `dp_rank` label; the per-request ones take the rank that
+    served the request."""
 
-    def __init__(self, read_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read_stats: StatsReader, ranks: Sequence[tuple[int, StatsReader]] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(read_stats))
+        self.registry.register(EngineStatsCollector(read_stats, ranks))
+        rank_label = ["dp_rank"] if ranks else []
         self.time_to_first_token = Histogram(
             "kvrelay_time_to_first_token_seconds", "From request arrival to its first output token.",
-            buckets=_TTFT_BUCKETS, registry=self.registry)
+            rank_label, buckets=_TTFT_BUCKETS, registry=self.registry)
         self.inter_token_latency = Histogram(
             "kvrelay_inter_token_latency_seconds", "Between consecutive output tokens of a request.",
-            buckets=_ITL_BUCKETS, registry=self.registry)
+            rank_label, buckets=_ITL_BUCKETS, registry=self.registry)
         self.kv_transfer_seconds = Histogram(
             "kvrelay_kv_transfer_seconds",
             "Seconds the KV connector spent loading and saving, one sample per engine step that moved KV.",
-            buckets=_TRANSFER_BUCKETS, registry=self.registry)
+            rank_label, buckets=_TRANSFER_BUCKETS, registry=self.registry)
         self.requests_finished = Counter(
-            "kvrelay_requests_finished", "Requests finished, by finish reason.", ["finish_reason"],
-            registry=self.registry)
+            "kvrelay_requests_finished", "Requests finished, by finish reason.",
+            ["finish_reason", *rank_label], registry=self.registry)
 
-    def on_engine_stats(self, previous: dict[str, Any], current: dict[str, Any]) -> None:
-        """A stats listener for AsyncLLM (runs in the engine thread; Histogram is thread-safe)."""
-        key = "kv_transfer_seconds"
-        moved = float(current.get(key, 0.0)) - float(previous.get(key, 0.0))
-        if moved > 0:
-            self.kv_transfer_seconds.observe(moved)
+    def of_rank(self, metric: Any, dp_rank: int | None, *labels: str) -> Any:
+        """`metric`'s child for `labels` and, under data parallelism, the rank that served."""
+        values = [*labels, *([] if dp_rank is None else [str(dp_rank)])]
+        return metric.labels(*values) if values else metric
+
+    def stats_listener(self, dp_rank: int | None = None) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+        """A stats listener for one engine's AsyncLLM (it runs in the engine thread; Histogram is
+        thread-safe): KV transfer seconds, per step that moved KV."""
+        histogram = self.of_rank(self.kv_transfer_seconds, dp_rank)
+
+        def on_engine_stats(previous: dict[str, Any], current: dict[str, Any]) -> None:
+            key = "kv_transfer_seconds"
+            moved = float(current.get(key, 0.0)) - float(previous.get(key, 0.0))
+            if moved > 0:
+                histogram.observe(moved)
+        return on_engine_stats
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -30,9 +30,10 @@ from kvrelay.core.sched_output import SchedulerOutput
 from kvrelay.kernels.native import log_active_kernels
 from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, WorkerConnector
 from kvrelay.model.llama import CausalLM
-from kvrelay.model.sampler import Sampler
+from kvrelay.model.sampler import Sampler, SamplingRow
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
+from kvrelay.sampling_params import SamplingParams
 from kvrelay.utils import cdiv
 from kvrelay.worker.cuda_graphs import DecodeGraphs
 from kvrelay.worker.kv_connector_step import kv_connector_step
@@ -47,6 +48,15 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in kv_dtype_names():
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(kv_dtype_names())}")
     return kv_format(name).torch_dtype
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing elsewhere). CUDA's current
+    device is per thread, and eager Triton kernels and `torch.cuda.Event.record()` go to it, not
+    to their tensors' device; the thread that runs the steps (AsyncLLM's engine thread) is not
+    the one that built the worker, so each step binds it."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: str) -> int:
@@ -85,6 +95,8 @@ class ModelRunner:
         self.staging = InputStaging(device)
         self.backend: AttentionBackend | None = None
         self.graphs: DecodeGraphs | None = None
+        self.graph_reserve = 0  # bytes the KV budget kept for the CUDA graphs (worker/memory.py)
+        self.graph_pool_bytes = 0  # what their capture took, for the log and the GPU tests
         self.requests: RequestTable | None = None
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
@@ -100,12 +112,32 @@ class ModelRunner:
         logger.info("attention backend %s on %s, %d KV blocks of %d tokens", self.backend.name, self.device,
                     num_blocks, self.block_size)
         self.connector.register_kv_caches(self.kv_caches)
-        if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not self.enforce_eager \
-                and self.model.tp.size == 1:
-            self.graphs = DecodeGraphs(self.model, self.backend, list(self.kv_caches), self.max_num_seqs,
-                                       max_model_len, self.block_size, self.device)
-            with torch.inference_mode():
-                self.graphs.capture_all()
+        if self.captures_graphs:
+            self._capture_graphs(max_model_len)
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether decode steps will replay CUDA graphs (a GPU, the Triton route, no enforce_eager,
+        TP 1)."""
+        if self.device.type != "cuda" or self.enforce_eager or self.model.tp.size != 1:
+            return False
+        backend = self.backend or select_backend(self.attention_backend, self.device, self.spec.num_kv_heads,
+                                                 self.spec.head_dim, 1, latent=self.spec.is_mla)
+        return backend.supports_cuda_graphs
+
+    def _capture_graphs(self, max_model_len: int) -> None:
+        assert self.backend is not None
+        bind_device(self.device)
+        torch.cuda.empty_cache()  # NOTE: each capture empties the cache on entry: count from empty
+        before = torch.cuda.memory_reserved(self.device)
+        self.graphs = DecodeGraphs(self.model, self.backend, list(self.kv_caches), self.max_num_seqs,
+                                   max_model_len, self.block_size, self.device)
+        with torch.inference_mode():
+            self.graphs.capture_all()
+        torch.cuda.empty_cache()  # the last warm-up's blocks; the graphs' private pool stays
+        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        logger.info("CUDA graphs took %.0f MiB of the device (the KV budget kept %.0f MiB for them)",
+                    self.graph_pool_bytes / 1024**2, self.graph_reserve / 1024**2)
 
     def _allocate_kv_caches(self, num_blocks: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         spec = self.spec
@@ -127,6 +159,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.requests is not None, "initialize_kv_cache must come before the first step"
+        bind_device(self.device)
         self.requests.update(sched_out)
         with kv_connector_step(self.connector, sched_out) as step:
             output = self._forward_and_sample(sched_out)
@@ -143,6 +176,9 @@ class ModelRunner:
                 connector.start_load_kv(context)
                 connector.wait_for_save()
             return ModelRunnerOutput.empty()
+        threshold = self.backend.reorder_batch_threshold
+        if threshold is not None:
+            req_ids = decodes_first(req_ids, sched_out.num_scheduled_tokens, threshold)
         batch, input_ids = self.requests.step_inputs(req_ids, sched_out.num_scheduled_tokens)
         input_ids_dev = self.staging.upload(batch, input_ids)
         meta = self.backend.build_metadata(batch)
@@ -198,9 +234,11 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- profiling
     @torch.inference_mode()
-    def profile_forward(self, num_tokens: int, num_seqs: int) -> None:
-        """One forward of `num_tokens` prompt tokens over `num_seqs` sequences and the logits of
-        `num_seqs` rows, into a temporary cache: what the largest step costs in activations."""
+    def profile_forward(self, num_tokens: int, num_seqs: int, sample: bool = True) -> int:
+        """One forward of `num_tokens` prompt tokens over `num_seqs` sequences, into a temporary
+        cache, and the logits of `num_seqs` rows, sampled with the sampler's most expensive
+        settings when `sample` (else argmax): what the largest step costs in activations. Returns
+        the temporary cache's bytes."""
         num_seqs = max(1, min(num_seqs, num_tokens))
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         tables, first = [], 0
@@ -218,14 +256,34 @@ class ModelRunner:
                 hidden = self.model(torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
                                     batch.device_inputs().positions)
             logits = self.model.compute_logits(hidden[torch.from_numpy(batch.query_start_loc[1:] - 1)
-                                                      .to(self.device, torch.int64)])
-            if logits is not None:
+                                                      .to(self.device, torch.int64)])  # [num_seqs, vocab]
+            if logits is not None and sample:  # a sampler of its own: the engine's draws stay untouched
+                Sampler(seed=0)(logits, [_PROFILE_ROW] * num_seqs)
+            elif logits is not None:
                 logits.argmax(dim=-1).tolist()
+            return sum(cache.numel() * cache.element_size() for cache in self.kv_caches.values())
         finally:
             for layer in self.model.attention_layers().values():
                 layer.kv_cache = torch.empty(0)
             self.kv_caches = saved
             self.backend = None
+
+
+# The sampler's most expensive row: every processing stage, a nucleus wide enough for a full sort,
+# and logprobs (an extra [rows, vocab] log-softmax).
+_PROFILE_ROW = SamplingRow(
+    params=SamplingParams(temperature=0.7, top_p=0.999, top_k=0, min_p=0.01, repetition_penalty=1.1,
+                          presence_penalty=0.1, frequency_penalty=0.1, logprobs=5),
+    prompt_token_ids=[0], output_token_ids=[0], eos_token_ids=(), generator=None)
+
+
+def decodes_first(req_ids: list[str], num_scheduled: dict[str, int], threshold: int) -> list[str]:
+    """`req_ids` with the decodes (at most `threshold` tokens scheduled) first, each part in its
+    order: the attention backend then finds a mixed step's decode rows as one leading slice."""
+    decodes = [rid for rid in req_ids if num_scheduled[rid] <= threshold]
+    if len(decodes) == len(req_ids):
+        return req_ids
+    return decodes + [rid for rid in req_ids if num_scheduled[rid] > threshold]
 
 
 _MADV_HUGEPAGE = 14  # linux/mman.h

@@ -47,23 +47,16 @@ class InputStaging:
         return self._upload_pinned(batch, input_ids)
 
     def _upload_pinned(self, batch: StepBatch, input_ids: np.ndarray) -> torch.Tensor:
-        num_tokens, num_seqs = len(input_ids), batch.num_seqs
-        width = batch.block_tables.shape[1]
-        long_parts = (input_ids, batch.positions, batch.slot_mapping)  # [T] each
-        int_parts = (batch.block_tables.reshape(-1), batch.seq_lens, batch.query_start_loc)  # [S*W, S, S+1]
-        pinned = self._buffers(3 * num_tokens, sum(len(p) for p in int_parts))
-        long_host = _pack(pinned.int64, long_parts)  # [3T]
-        int_host = _pack(pinned.int32, int_parts)  # [S*W + 2S + 1]
+        num_longs, num_ints = packed_sizes(batch, len(input_ids))
+        pinned = self._buffers(num_longs, num_ints)
+        long_host, int_host = pack_inputs(batch, input_ids, pinned.int64, pinned.int32)
         longs = long_host.to(self.device, non_blocking=True)
         ints = int_host.to(self.device, non_blocking=True)
         pinned.copied = torch.cuda.Event()
-        pinned.copied.record()
-        cells = num_seqs * width
-        batch.uploaded = DeviceInputs(
-            positions=longs[num_tokens:2 * num_tokens], slot_mapping=longs[2 * num_tokens:],
-            block_tables=ints[:cells].view(num_seqs, width), seq_lens=ints[cells:cells + num_seqs],
-            query_start_loc=ints[cells + num_seqs:])
-        return longs[:num_tokens]
+        # NOTE: the copies went to this device's current stream, whichever device the calling
+        # thread has current: the event marks that stream, not the thread's device's.
+        pinned.copied.record(torch.cuda.current_stream(self.device))
+        return unpack_inputs(batch, longs, ints)
 
     def _buffers(self, num_longs: int, num_ints: int) -> _Pinned:
         """The next set of pinned buffers, at least this large, safe to overwrite."""
@@ -78,6 +71,33 @@ class InputStaging:
         if pinned.int32.numel() < num_ints:
             pinned.int32 = _pinned(2 * num_ints, torch.int32)
         return pinned
+
+
+def packed_sizes(batch: StepBatch, num_tokens: int) -> tuple[int, int]:
+    """(int64 elements, int32 elements) a step's packed inputs take."""
+    return 3 * num_tokens, batch.block_tables.size + 2 * batch.num_seqs + 1
+
+
+def pack_inputs(batch: StepBatch, input_ids: np.ndarray, int64_buffer: torch.Tensor,
+                int32_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's inputs packed into the fronts of two host buffers, the layout `unpack_inputs`
+    reads: [ids, positions, slots] (3T int64) and [block tables, seq lens, query offsets]
+    (S*W + 2S + 1 int32)."""
+    long_parts = (input_ids, batch.positions, batch.slot_mapping)  # [T] each
+    int_parts = (batch.block_tables.reshape(-1), batch.seq_lens, batch.query_start_loc)  # [S*W, S, S+1]
+    return _pack(int64_buffer, long_parts), _pack(int32_buffer, int_parts)
+
+
+def unpack_inputs(batch: StepBatch, longs: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+    """Views of the packed inputs (on the device): sets `batch.uploaded`, returns the ids [T]."""
+    num_tokens, num_seqs = len(longs) // 3, batch.num_seqs
+    width = batch.block_tables.shape[1]
+    cells = num_seqs * width
+    batch.uploaded = DeviceInputs(
+        positions=longs[num_tokens:2 * num_tokens], slot_mapping=longs[2 * num_tokens:],
+        block_tables=ints[:cells].view(num_seqs, width), seq_lens=ints[cells:cells + num_seqs],
+        query_start_loc=ints[cells + num_seqs:])
+    return longs[:num_tokens]
 
 
 def _pinned(size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -22,8 +22,8 @@ from kvrelay.model.sharding import shard_layout
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
 from kvrelay.worker.kv_setup import KVSetup
-from kvrelay.worker.memory import GpuMemory, gpu_kv_budget, kv_cache_bytes
-from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
+from kvrelay.worker.memory import GpuMemory, host_staging_bound, kv_cache_bytes, measure_gpu_kv_budget
+from kvrelay.worker.model_runner import ModelRunner, bind_device, kv_block_bytes, torch_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Worker:
         mcfg = config.model
         self.device = rank_device(mcfg.device, self.tp.rank)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            bind_device(self.device)
             self._baseline = GpuMemory.read(self.device)  # before the weights: see memory.py
         model = build_model(plan.spec, weights, torch_dtype(mcfg.dtype), self.device, self.tp)
         connector = build_worker_connector(config, model.spec, plan.kv, self.tp.rank)
@@ -88,23 +88,27 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank can hold: from kv_cache_memory (or the CPU default), or
-        on a GPU measured after the weights and a profiling forward of the largest step."""
+        on a GPU measured after the weights and a profiling forward of the largest step; on a GPU
+        that stages KV through host memory, no more than the host mirror's bound."""
         cache = self.config.cache
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
         per_block = kv_block_bytes(self.runner.spec, cache.block_size, self.runner.kv_format.name)
-        return kv_cache_bytes(cache, self.device, self._measure_gpu) // per_block
+        cap = host_staging_bound(self.config.kv_transfer, self.device, self.tp.size)
+        budget = kv_cache_bytes(cache, self.device, self._measure_gpu, cap)
+        if cap is not None and budget == cap:
+            logger.info("rank %d: KV cache capped at %.2f GiB, the bound of its pinned host mirror (host "
+                        "staging; kv_transfer_config kv_buffer_size sets it)", self.tp.rank, cap / 1024**3)
+        return budget // per_block
 
     def _measure_gpu(self) -> int:
-        sched = self.config.scheduler
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.runner.profile_forward(sched.max_num_batched_tokens, sched.max_num_seqs)
-        torch.cuda.synchronize(self.device)
-        utilization = self.config.cache.gpu_memory_utilization
-        budget = gpu_kv_budget(self._baseline, GpuMemory.read(self.device),
-                               torch.cuda.max_memory_allocated(self.device), utilization)
-        logger.info("rank %d: %.2f GiB of %s for the KV cache (gpu_memory_utilization %.2f)", self.tp.rank,
-                    budget / 1024**3, self.device, utilization)
+        sched, utilization = self.config.scheduler, self.config.cache.gpu_memory_utilization
+        budget, graph_bytes = measure_gpu_kv_budget(self.runner, self.device, self._baseline, utilization,
+                                                    sched.max_num_batched_tokens, sched.max_num_seqs)
+        self.runner.graph_reserve = graph_bytes
+        logger.info("rank %d: %.2f GiB of %s for the KV cache, %.0f MiB kept for CUDA graphs "
+                    "(gpu_memory_utilization %.2f)", self.tp.rank, budget / 1024**3, self.device,
+                    graph_bytes / 1024**2, utilization)
         return budget
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:

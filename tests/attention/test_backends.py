@@ -2,9 +2,11 @@
 
 The Triton route runs here under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
 when there is no GPU), which has no bfloat16 and rounds float32 to fp8 wrongly: float32 and
-float16 caches here, bfloat16 and fp8 on a GPU. NOTE: with an fp8 cache the two routes differ by
-design on a fresh prompt: the Triton route attends over the K/V it just stored (fp8, as vLLM's
-paged prefill does), the torch route over the step's own K/V."""
+float16 caches here, bfloat16 and fp8 on a GPU. Where a GPU is visible the kernels are compiled,
+and compiled Triton cannot read host memory: every Triton case then runs on the GPU (DEVICE).
+NOTE: with an fp8 cache the two routes differ by design on a fresh prompt: the Triton route
+attends over the K/V it just stored (fp8, as vLLM's paged prefill does), the torch route over the
+step's own K/V."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from kvrelay.attention.forward_context import ForwardContext, set_forward_contex
 from kvrelay.attention.kv_format import kv_format
 from kvrelay.attention.layer import Attention
 from kvrelay.attention.metadata import StepBatch
+from tests.kernels.triton.reference import DEVICE
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -77,7 +80,7 @@ def two_steps(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
                                                    pytest.param(torch.bfloat16, "bfloat16", 2e-2, marks=GPU)])
 def test_triton_and_cpu_routes_match_the_torch_route_over_prefill_mixed_and_decode_steps(
         num_heads, num_kv_heads, head_dim, dtype, fmt, tol) -> None:
-    device = "cuda" if fmt == "bfloat16" else "cpu"
+    device = str(DEVICE)
     backends = {"torch": TorchBackend(), "triton": TritonBackend(num_kv_heads, 64)}
     if device == "cpu":
         backends["cpu"] = CpuBackend()
@@ -89,11 +92,11 @@ def test_triton_and_cpu_routes_match_the_torch_route_over_prefill_mixed_and_deco
 
 
 def test_the_triton_route_writes_the_cache_as_the_torch_route_does() -> None:
-    layers = [make_layer(b, 4, 2, 16) for b in (TorchBackend(), TritonBackend(2, 64))]
-    batch = StepBatch.from_lists([5, 1], [5, 7], [[3, 8], [12, 2]], BLOCK_SIZE, torch.device("cpu"))
-    qkv = torch.randn(6, 8 * 16)
+    layers = [make_layer(b, 4, 2, 16, device=str(DEVICE)) for b in (TorchBackend(), TritonBackend(2, 64))]
+    batch = StepBatch.from_lists([5, 1], [5, 7], [[3, 8], [12, 2]], BLOCK_SIZE, DEVICE)
+    qkv = torch.randn(6, 8 * 16).to(DEVICE)
     for layer in layers:
-        step = StepBatch.from_lists([5, 1], [5, 7], [[3, 8], [12, 2]], BLOCK_SIZE, torch.device("cpu"))
+        step = StepBatch.from_lists([5, 1], [5, 7], [[3, 8], [12, 2]], BLOCK_SIZE, DEVICE)
         run_step(layer, step, *qkv.split([64, 32, 32], -1))
     assert batch.slot_mapping.tolist() == [12, 13, 14, 15, 32, 10]
     torch.testing.assert_close(layers[1].kv_cache, layers[0].kv_cache)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -14,19 +15,21 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class ServerThread:
     """`with ServerThread(app) as server: server.url` serves `app` on 127.0.0.1 until exit."""
 
-    def __init__(self, app: Any, port: int = 0) -> None:
-        """`port`: 0 picks a free one; a given port serves a restarted instance at its old URL."""
+    def __init__(self, app: Any, port: int = 0, http: type[H11Protocol] | None = None) -> None:
+        """`port`: 0 picks a free one; a given port serves a restarted instance at its old URL.
+        `http`: the HTTP protocol class (default uvicorn's h11 one)."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", port))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=http or "h11")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         daemon=True)
@@ -44,6 +47,35 @@ class ServerThread:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+def closes_idle_connections(after_s: float, reset: bool = False) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, except that a keep-alive connection idle for `after_s` seconds
+    is closed, unanswered, the moment the next request arrives on it: the keep-alive race at its
+    worst, every time (a server whose idle timer fires just as the client reuses the connection).
+    `reset`: closed with a TCP reset instead of a FIN."""
+
+    class RacingKeepAlive(H11Protocol):
+        idle_since: float | None = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.idle_since = time.monotonic()
+
+        def data_received(self, data: bytes) -> None:
+            if self.idle_since is not None and time.monotonic() - self.idle_since >= after_s:
+                self._unset_keepalive_if_required()
+                if reset:
+                    sock = self.transport.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.transport.abort()
+                else:
+                    self.transport.close()
+                return
+            self.idle_since = None
+            super().data_received(data)
+
+    return RacingKeepAlive
 
 
 def closed_port_url() -> str:
@@ -72,6 +104,7 @@ class FakeBackend:
     headers: list[dict[str, str]] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     healthy: bool = True
+    health_delay: float = 0.0  # seconds /health takes to answer
 
     def kv_transfer_params(self, request_id: str) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
@@ -96,6 +129,7 @@ class FakeBackend:
 
         @app.get("/health")
         async def health() -> Response:
+            await asyncio.sleep(self.health_delay)
             return Response(status_code=200 if self.healthy else 503)
 
         return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -205,13 +206,24 @@ def test_an_instance_that_stops_answering_leaves_routing_and_rejoins_when_it_ans
         assert len(d2.requests) == 2
 
 
-def test_a_killed_instance_is_dropped_and_rejoins_when_restarted_at_its_url() -> None:
+def test_a_killed_instance_is_dropped_and_rejoins_when_restarted_at_its_url(
+        caplog: pytest.LogCaptureFixture) -> None:
     d2 = FakeBackend("D2")
     with pool([FakeBackend("P")], [FakeBackend("D1")], health_interval=0.1) as (url, urls, _):
         server = ServerThread(d2.app()).__enter__()
         assert admin(url, "POST", "", {"role": "decode", "url": server.url}).status_code == 201
-        server.__exit__(None, None, None)  # killed
-        wait_for(lambda: members(url)[server.url]["state"] == "down", what="the dead instance to be dropped")
+        with caplog.at_level(logging.WARNING, logger="kvrelay.disagg"):
+            server.__exit__(None, None, None)  # killed
+            wait_for(lambda: members(url)[server.url]["state"] == "down", what="it to be dropped")
+        # by the first check after its death (within one health interval), refused: it is no race
+        (down,) = [r.getMessage() for r in caplog.records if " is down: " in r.getMessage()]
+        assert down.startswith(f"decode instance {server.url} is down: health check failed on a fresh "
+                               "connection")
+        assert down.endswith("; 1 health check(s) failed in a row")
+        # (a check accepted in the instant uvicorn stopped is closed unanswered: "disconnected")
+        assert metric(url, "kvrelay_proxy_marked_down_total", backend=server.url) == 1
+        assert metric(url, "kvrelay_proxy_marked_down_total", reason="unreachable") + metric(
+            url, "kvrelay_proxy_marked_down_total", reason="disconnected") == 1
         for _ in range(3):
             assert chat(url).status_code == 200  # all on D1
         with ServerThread(d2.app(), port=server.port):  # restarted at the same address

@@ -195,3 +195,20 @@ def test_idle_engine_thread_blocks_instead_of_spinning(async_llm):
     published = async_llm.stats()["timestamp"]
     time.sleep(0.3)
     assert async_llm.stats()["timestamp"] == published  # no steps (no stats published) while idle
+
+
+def test_every_step_binds_the_runner_s_device_on_the_engine_thread(monkeypatch) -> None:
+    """CUDA's current device is per thread and eager Triton kernels launch on it: the engine
+    thread, not the one that built the worker, must make the runner's device current."""
+    from kvrelay.worker import model_runner
+
+    bound: list[tuple[str, object]] = []
+    monkeypatch.setattr(model_runner, "bind_device",
+                        lambda device: bound.append((threading.current_thread().name, device)))
+    llm = AsyncLLM(make_engine())
+    try:
+        asyncio.run(collect(llm, {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=3, **GREEDY)))
+    finally:
+        llm.shutdown()
+    device = llm.engine.runner.device
+    assert len(bound) >= 3 and set(bound) == {("kvrelay-engine", device)}

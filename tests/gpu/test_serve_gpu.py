@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_serve_on_cuda_answers_a_completion_and_a_chat(tmp_path: Path) -> None:
     model_dir = write_tiny_model_dir(tmp_path / "tiny")
     server = ServeProcess(model_dir, tmp_path / "serve.log", "--device", "cuda",
+                          "--kv-cache-memory", "512MiB",  # not millions of blocks for a tiny model
                           "--served-model-name", "tiny")
     try:
         server.wait_healthy(180)

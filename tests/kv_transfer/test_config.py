@@ -35,7 +35,7 @@ def test_unknown_key_is_an_error_naming_the_key():
 
 @pytest.mark.parametrize("key,value", [
     ("kv_port", "14579"), ("kv_port", True), ("kv_connector_extra_config", ["a"]),
-    ("kv_connector", 3), ("kv_role", None), ("engine_id", 5),
+    ("kv_connector", 3), ("kv_role", None), ("engine_id", 5), ("kv_buffer_size", "1GiB"),
 ])
 def test_wrong_type_is_an_error_naming_the_key(key, value):
     with pytest.raises(ValueError, match=repr(key)):
@@ -53,6 +53,7 @@ def test_bad_json_names_the_problem():
     ("kv_role", "kv_prefill", "kv_role must be one of"),
     ("kv_load_failure_policy", "retry", "kv_load_failure_policy must be one of"),
     ("kv_port", 0, "kv_port must be in"),
+    ("kv_buffer_size", 0, "kv_buffer_size must be a positive number of bytes"),
 ])
 def test_out_of_range_values_are_rejected(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -80,3 +81,9 @@ def test_config_is_frozen_and_keeps_its_own_copy_of_extra_config():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.kv_port = 1  # type: ignore[misc]
     assert KVTransferConfig.from_any(cfg.to_dict()) == cfg
+
+
+def test_kv_buffer_size_takes_bytes_as_an_int_or_a_float_as_vllm_does():
+    assert KVTransferConfig.from_any({"kv_buffer_size": 1e9}).kv_buffer_size == 1e9
+    assert KVTransferConfig.from_any({"kv_buffer_size": 4096}).kv_buffer_size == 4096
+    assert KVTransferConfig().kv_buffer_size is None

@@ -41,3 +41,34 @@ def test_small_or_non_cpu_caches_are_plain_zeros() -> None:
     assert cache.shape == (3, 2, 1, 4, 8) and cache.device.type == "meta"
     tiny = _zeros_on_huge_pages((1, 2, 1, 4, 8), torch.float32, torch.device("cpu"))  # < one 2 MB page
     assert not tiny.any()
+
+
+def test_bind_device_makes_a_cuda_device_the_thread_s_current_one_and_leaves_the_cpu_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay.worker.model_runner import bind_device
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    bind_device(torch.device("cuda", 1))
+    bind_device(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 1)]
+
+
+def test_the_memory_profile_samples_every_row_and_reports_its_temporary_kv_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay import LLM
+    from kvrelay.model.sampler import Sampler
+    from tests.tiny import tiny_loaded_model
+
+    llm = LLM(loaded_model=tiny_loaded_model("llama", head_dim=16), num_blocks=16, block_size=4)
+    runner = llm.engine.runner
+    calls: list[int] = []
+    sample = Sampler.__call__
+    monkeypatch.setattr(Sampler, "__call__", lambda self, logits, rows: (calls.append(len(rows)),
+                                                                         sample(self, logits, rows))[1])
+    per_block = sum(c[0].numel() * c.element_size() for c in runner.kv_caches.values())
+    assert runner.profile_forward(10, 3) == 3 * per_block  # 4, 3 and 3 tokens: a block each
+    assert runner.profile_forward(12, 2) == 4 * per_block  # 6 and 6 tokens: two blocks each
+    assert runner.profile_forward(3, 3, sample=False) == 3 * per_block
+    assert calls == [3, 2]
+    llm.shutdown()

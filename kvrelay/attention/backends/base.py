@@ -52,6 +52,9 @@ class GraphInputs(ABC):
 class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
+    # vLLM's name: sequences with at most this many query tokens are decodes, and the runner puts
+    # them first in each step's batch (None: any order).
+    reorder_batch_threshold: ClassVar[int | None] = None
 
     @abstractmethod
     def build_metadata(self, batch: StepBatch) -> Any:

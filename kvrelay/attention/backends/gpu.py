@@ -1,13 +1,14 @@
 """The CUDA attention route: Triton kernels over the paged cache, and the buffers of captured
 decode steps.
 
-Per layer and step: `store_kv` writes this step's K/V at their slots; a decode-only step runs
-`paged_decode` (each GQA group's query heads share every K/V load, the context split across
-programs for long sequences); any other step runs `paged_prefill` over every sequence, a decode
-being a prefill of one query. Both read the blocks where they lie. Nothing here reads a device
-value on the host, so a decode step can run inside a CUDA graph: `graph_inputs` hands out the
-static buffers such a graph reads, and pads a smaller batch with rows that write no KV (slot -1)
-and read no block (length 0).
+Per layer and step: `store_kv` writes this step's K/V at their slots; the sequences with one
+query token run `paged_decode` (each GQA group's query heads share every K/V load, the context
+split across programs for long sequences), the others `paged_prefill`. The runner puts a step's
+decodes first (`reorder_batch_threshold`, as vLLM's builders ask), so in a mixed step the decode
+rows are the leading rows of every input and each kernel takes a slice, no gather. Both read the
+blocks where they lie. Nothing here reads a device value on the host, so a decode step can run
+inside a CUDA graph: `graph_inputs` hands out the static buffers such a graph reads, and pads a
+smaller batch with rows that write no KV (slot -1) and read no block (length 0).
 
 Off a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests
 check this route against the torch one.
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from kvrelay.attention.backends.base import AttentionBackend, GraphInputs, PagedLayer
@@ -33,11 +35,13 @@ class TritonMetadata:
     max_query_len: int
     decode_only: bool
     num_splits: int  # how many programs share one decode sequence's context
+    num_decodes: int  # the leading sequences with one query token: paged_decode's rows
 
 
 class TritonBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     supports_cuda_graphs: ClassVar[bool] = True
+    reorder_batch_threshold: ClassVar[int | None] = 1
 
     def __init__(self, num_kv_heads: int, max_model_len: int) -> None:
         self.num_kv_heads = num_kv_heads  # this rank's
@@ -52,9 +56,10 @@ class TritonBackend(AttentionBackend):
 
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
         inputs = batch.device_inputs()
+        num_decodes = batch.num_seqs if batch.is_decode_only else leading_decodes(batch.query_lens)
         return TritonMetadata(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                               inputs.query_start_loc, batch.max_query_len, batch.is_decode_only,
-                              self.num_splits(batch.num_seqs))
+                              self.num_splits(num_decodes), num_decodes)
 
     def forward(self, layer: PagedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TritonMetadata) -> torch.Tensor:
@@ -63,16 +68,23 @@ class TritonBackend(AttentionBackend):
         cache, scales = layer.kv_cache, layer.kv_scales
         store_kv(k, v, cache, meta.slot_mapping, scales)
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)  # [T, H*D]
-        if meta.decode_only:
-            paged_decode(q, cache, meta.block_tables, meta.seq_lens, out, layer.scale, scales,
+        n = meta.num_decodes  # their query rows are q's first n rows
+        if n:
+            paged_decode(q[:n], cache, meta.block_tables[:n], meta.seq_lens[:n], out[:n], layer.scale, scales,
                          num_splits=meta.num_splits)
-        else:
-            paged_prefill(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, out, layer.scale,
-                          meta.max_query_len, scales)
+        if not meta.decode_only:  # query_start_loc[n:] holds the prefills' offsets into all of q
+            paged_prefill(q, cache, meta.block_tables[n:], meta.query_start_loc[n:], meta.seq_lens[n:], out,
+                          layer.scale, meta.max_query_len, scales)
         return out
 
     def graph_inputs(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> TritonGraphInputs:
         return TritonGraphInputs(self, max_num_seqs, max_blocks, device)
+
+
+def leading_decodes(query_lens: np.ndarray) -> int:
+    """How many leading sequences of a step have one query token (query_lens [S])."""
+    others = np.flatnonzero(query_lens != 1)
+    return int(others[0]) if len(others) else len(query_lens)
 
 
 class TritonGraphInputs(GraphInputs):
@@ -90,7 +102,7 @@ class TritonGraphInputs(GraphInputs):
     def metadata_for(self, num_seqs: int) -> TritonMetadata:
         n = num_seqs
         return TritonMetadata(self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n],
-                              self.query_start_loc[:n + 1], 1, True, self.backend.num_splits(n))
+                              self.query_start_loc[:n + 1], 1, True, self.backend.num_splits(n), n)
 
     def fill(self, batch: StepBatch, padded_num_seqs: int) -> None:
         inputs, n = batch.device_inputs(), batch.num_seqs

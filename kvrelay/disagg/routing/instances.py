@@ -17,7 +17,7 @@ reproducible (it is then routed by load).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,9 +45,10 @@ class HashSettings:
 @dataclass(frozen=True)
 class InstanceInfo:
     engine: str  # one of ENGINES
-    events: StreamAddress | None  # where it publishes, if it says so
+    events: StreamAddress | None  # where it publishes (rank 0), if it says so
     block_size: int | None
     schemes: tuple[BlockHashScheme, ...]  # how it may hash blocks, the likeliest first
+    rank_events: dict[int, StreamAddress] = field(default_factory=dict)  # data-parallel ranks above 0
 
 
 async def discover(client: httpx.AsyncClient, url: str, headers: dict[str, str], timeout: float,
@@ -55,11 +56,13 @@ async def discover(client: httpx.AsyncClient, url: str, headers: dict[str, str],
     """Ask the instance at `url` what it is (see the module's docstring)."""
     answer = await _get_json(client, url + "/kv_events", headers, timeout)
     if isinstance(answer, dict) and "enabled" in answer:
-        return InstanceInfo("kvrelay", _kvrelay_events(url, answer), _int_or_none(answer.get("block_size")),
-                            (KVRELAY_SCHEME,))
+        events = _kvrelay_events(url, answer)
+        return InstanceInfo("kvrelay", events, _int_or_none(answer.get("block_size")), (KVRELAY_SCHEME,),
+                            _kvrelay_ranks(url, answer, events))
     sources = await _get_json(client, url + "/kv_event_sources", headers, timeout)
     if isinstance(sources, dict):
-        return InstanceInfo("vllm", _vllm_events(url, sources), None, hashing.vllm_schemes())
+        ranks = _vllm_events(url, sources)
+        return InstanceInfo("vllm", ranks.pop(0, None), None, hashing.vllm_schemes(), ranks)
     models = await _get_json(client, url + "/v1/models", headers, timeout)
     data = models.get("data") if isinstance(models, dict) else None
     if isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data):
@@ -73,18 +76,35 @@ def _kvrelay_events(url: str, answer: dict[str, Any]) -> StreamAddress | None:
     return _address(url, answer["endpoint"], answer.get("replay_endpoint"), answer.get("topic"))
 
 
-def _vllm_events(url: str, sources: dict[str, Any]) -> StreamAddress | None:
-    """Rank 0's publisher (a data-parallel vLLM has one per rank: the others are not followed,
-    so their blocks count as not cached there)."""
-    if len(sources) > 1:
-        logger.warning("%s runs %d data-parallel ranks; the proxy follows rank 0's KV events only",
-                       url, len(sources))
-    config = sources.get("0") or (next(iter(sources.values())) if sources else None)
-    if not isinstance(config, dict) or not config.get("enable_kv_cache_events"):
-        return None
-    if config.get("publisher", "zmq") != "zmq" or not isinstance(config.get("endpoint"), str):
-        return None
-    return _address(url, config["endpoint"], config.get("replay_endpoint"), config.get("topic"))
+def _kvrelay_ranks(url: str, answer: dict[str, Any],
+                   events: StreamAddress | None) -> dict[int, StreamAddress]:
+    """Where a kvrelay instance's data-parallel ranks above 0 publish (its /kv_events "ranks"),
+    less the stream followed as the instance's own (a rank served alone)."""
+    if events is None or not isinstance(answer.get("ranks"), list):
+        return {}
+    streams = {}
+    for entry in answer["ranks"]:
+        if not isinstance(entry, dict):
+            continue
+        dp_rank, endpoint = entry.get("dp_rank"), entry.get("endpoint")
+        if isinstance(dp_rank, int) and dp_rank > 0 and isinstance(endpoint, str):
+            streams[dp_rank] = _address(url, endpoint, entry.get("replay_endpoint"), events.topic)
+    return {rank: stream for rank, stream in streams.items() if stream.endpoint != events.endpoint}
+
+
+def _vllm_events(url: str, sources: dict[str, Any]) -> dict[int, StreamAddress]:
+    """Each data-parallel rank's publisher (vLLM's /kv_event_sources, keyed by rank)."""
+    streams = {}
+    for rank, config in sources.items():
+        if not str(rank).isdigit() or not isinstance(config, dict):
+            continue
+        if not config.get("enable_kv_cache_events"):
+            continue
+        if config.get("publisher", "zmq") != "zmq" or not isinstance(config.get("endpoint"), str):
+            continue
+        streams[int(rank)] = _address(url, config["endpoint"], config.get("replay_endpoint"),
+                                      config.get("topic"))
+    return streams
 
 
 def _address(url: str, endpoint: str, replay: Any, topic: Any) -> StreamAddress:

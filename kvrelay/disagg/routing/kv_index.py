@@ -1,5 +1,9 @@
 """The proxy's KV index: per instance, the block hashes it holds, fed by its KV events.
 
+An instance that runs several data-parallel ranks has one entry per rank, each fed by that
+rank's own event stream: the index keys on (instance, rank), as `rank_key` spells it, and rank
+0's key (every instance without data parallelism) is the instance's URL.
+
 Each instance's entry holds its blocks by medium ("GPU" for its own KV cache, "CPU", "DISK",
 ... for offload tiers), the block size its events declare, and an overlay of *expected* blocks:
 the prompt blocks of prefill legs the proxy sent there and whose stores have not been published
@@ -44,6 +48,11 @@ from kvrelay.kv_events.events import (
 logger = logging.getLogger(__name__)
 
 HASHES_ASSUMED, HASHES_VERIFIED, HASHES_NOT_REPRODUCIBLE = "assumed", "verified", "not reproducible"
+
+
+def rank_key(url: str, dp_rank: int) -> str:
+    """The index's key for data-parallel rank `dp_rank` of the instance at `url`."""
+    return url if dp_rank == 0 else f"{url}#dp{dp_rank}"
 
 
 @dataclass

@@ -44,6 +44,10 @@ class Candidate(Protocol):
     @property
     def queued_tokens(self) -> int: ...
 
+    @property
+    def index_keys(self) -> tuple[str, ...]:
+        """Its entries in the KV index: one per data-parallel rank, each with its own cache."""
+
 
 Backend = TypeVar("Backend", bound=Candidate)  # the pool's kind of instance
 
@@ -107,7 +111,7 @@ class KVAware(RoutingPolicy):
     def choose(self, candidates: Sequence[Backend], prompt: PromptBlocks) -> Decision[Backend]:
         if not prompt.hashable:
             return self._by_load(candidates, prompt, "prompt_not_hashable")
-        hits = {b.url: self.index.prefix_hit_tokens(b.url, prompt) for b in candidates}
+        hits = {b.url: self._prefix_hit(b, prompt) for b in candidates}
         if all(hit is None for hit in hits.values()):
             return self._by_load(candidates, prompt, "index_unavailable")
         rotated = self._least_loaded.rotated(candidates)  # equals take turns
@@ -126,6 +130,13 @@ class KVAware(RoutingPolicy):
                   else "load_over_prefix_hit")
         return Decision(backend, reason, hits[backend.url],
                         compute_tokens=prompt.num_tokens - known[backend.url])
+
+    def _prefix_hit(self, candidate: Candidate, prompt: PromptBlocks) -> int | None:
+        """The longest hit of any one of the candidate's ranks (a prefix split across two ranks'
+        caches saves nothing); None when no rank's index is usable."""
+        hits = [hit for key in candidate.index_keys
+                if (hit := self.index.prefix_hit_tokens(key, prompt)) is not None]
+        return max(hits) if hits else None
 
     def _by_load(self, candidates: Sequence[Backend], prompt: PromptBlocks, reason: str) -> Decision[Backend]:
         choice = self._least_loaded.choose(candidates, prompt)

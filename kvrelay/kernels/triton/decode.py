@@ -27,15 +27,19 @@ from kvrelay.kernels.triton.layout import (
     num_query_heads,
 )
 from kvrelay.kernels.triton.tiles import load_kv_tile, online_softmax_step
+from kvrelay.kernels.triton.tiling import decode_tiles
 from kvrelay.utils import cdiv
 
-BLOCK_N = 64  # context positions per K/V tile
 MIN_SPLIT_LEN = 256  # a split shorter than this costs more to merge than it saves
 TARGET_PROGRAMS = 512  # enough programs to fill a GPU (an H200 has 132 SMs); revisit per device
 MAX_SPLITS = 32
 
 
-@triton.jit
+# NOTE: the block-table stride is the step's table width (1 would become a constant) and the
+# index tensors are views at step-dependent offsets of one uploaded buffer: neither may pick a
+# kernel variant, or eager steps would keep compiling new ones while serving.
+@triton.jit(do_not_specialize=["stride_table"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_kernel(
     q_ptr, stride_q,  # q [num_seqs, H * D], row stride
     cache_ptr,  # [num_blocks, 2, H_kv, BLOCK_SIZE, HEAD_DIM]
@@ -175,6 +179,7 @@ def paged_decode(
         part_max = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
         part_sum = q.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
     group = num_heads // cache.num_kv_heads
+    tiles = decode_tiles(cache.head_dim, q.dtype)
     _decode_kernel[(num_seqs, cache.num_kv_heads, num_splits)](
         q, q.stride(0), kv_cache, kv_scales, block_tables, block_tables.stride(0), seq_lens,
         out, out.stride(0), part_acc, part_max, part_sum, scale,
@@ -185,9 +190,9 @@ def paged_decode(
         HAS_SCALES=kv_scales is not None,
         NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=tiles.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=tiles.num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

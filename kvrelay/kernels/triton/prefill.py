@@ -27,13 +27,14 @@ from kvrelay.kernels.triton.layout import (
     num_query_heads,
 )
 from kvrelay.kernels.triton.tiles import load_kv_tile, online_softmax_step
+from kvrelay.kernels.triton.tiling import prefill_tiles
 from kvrelay.utils import cdiv
 
-BLOCK_M = 64  # query rows per program
-BLOCK_N = 64  # context positions per K/V tile
 
-
-@triton.jit
+# NOTE: as in decode.py, the table stride and the index tensors' offsets change from step to step
+# and must not pick a kernel variant.
+@triton.jit(do_not_specialize=["stride_table"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, stride_q,  # q [num_tokens, H * D], row stride
     cache_ptr,  # [num_blocks, 2, H_kv, BLOCK_SIZE, HEAD_DIM]
@@ -126,7 +127,8 @@ def paged_prefill(
     if num_seqs == 0 or max_query_len == 0:
         return
 
-    _prefill_kernel[(cdiv(max_query_len, BLOCK_M), num_seqs, num_heads)](
+    tiles = prefill_tiles(cache.head_dim, q.dtype)
+    _prefill_kernel[(cdiv(max_query_len, tiles.block_m), num_seqs, num_heads)](
         q, q.stride(0), kv_cache, kv_scales, block_tables, block_tables.stride(0), query_start_loc,
         seq_lens, out, out.stride(0), scale,
         NUM_HEADS=num_heads,
@@ -134,8 +136,8 @@ def paged_prefill(
         BLOCK_SIZE=cache.block_size,
         HEAD_DIM=cache.head_dim,
         HAS_SCALES=kv_scales is not None,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=tiles.num_warps,
     )

@@ -24,7 +24,9 @@ from kvrelay.kernels.triton.layout import (
 )
 
 
-@triton.jit
+# NOTE: slot_mapping is a view at a step-dependent offset of the uploaded buffer: its alignment must
+# not pick a kernel variant.
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_k, stride_v,  # k, v [T, H_kv * D], row strides
     cache_ptr,  # [num_blocks, 2, H_kv, BLOCK_SIZE, HEAD_DIM]

@@ -133,6 +133,14 @@ class _Store:
     gathered: list[torch.Tensor] = field(default_factory=list)  # its source, alive until then
 
 
+def block_index(block_ids: list[int], pinned: bool) -> torch.Tensor:
+    """The block ids as an int64 index [n], in pinned host memory for GPU KV: a pageable source
+    makes a `non_blocking` copy to the device wait for its stream (here the side stream, which
+    has just waited for the whole forward), stalling the step that stores."""
+    index = torch.tensor(block_ids, dtype=torch.long)  # [n]
+    return index.pin_memory() if pinned else index
+
+
 class _Background:
     """The loader and writer threads and the state they share with the step."""
 
@@ -259,7 +267,7 @@ class _Background:
                 continue
             blob = memoryview(staging)[:self.header_bytes + len(save.block_ids) * self.block_payload_bytes]
             entry = self._payload_view(blob, len(save.block_ids))  # [L, n, 2, H_kv, block_size, D]
-            index = torch.tensor(save.block_ids, dtype=torch.long)
+            index = block_index(save.block_ids, pinned=self.on_gpu)  # [n]
             store = _Store(save, blob, staging, time.perf_counter())
             if self.on_gpu:
                 store.copied, store.gathered = self._gather_on_device(entry, index)

@@ -110,3 +110,34 @@ def copy_layer(dst: torch.Tensor, src: torch.Tensor, plan: CopyPlan) -> None:
         for r in plan.ranges:
             dst_rows[:, r.local_offset:r.local_offset + r.length].copy_(
                 src_rows[:, r.remote_offset:r.remote_offset + r.length], non_blocking=True)
+
+
+def copy_layer_to_device(dst: torch.Tensor, src: torch.Tensor, plan: CopyPlan) -> list[torch.Tensor]:
+    """`copy_layer` from pinned host `src` to device `dst`, asynchronous also for byte ranges: a
+    range of host rows is strided, and torch copies a strided host tensor to a GPU through a
+    pageable temporary (a synchronous copy). So each run's ranges are gathered into one pinned
+    contiguous buffer on the host, sent in one DMA and scattered on the device. Returns those
+    buffers: they must outlive the copies (until an event recorded after them fired)."""
+    import torch
+
+    if plan.ranges is None or dst.device.type != "cuda":
+        copy_layer(dst, src, plan)
+        return []
+    width = sum(r.length for r in plan.ranges)
+    buffers = []
+    for run in plan.runs:
+        src_rows = src[run.remote:run.remote + run.num_blocks]  # [num_blocks, remote_block_bytes]
+        dst_rows = dst[run.local:run.local + run.num_blocks]  # [num_blocks, local_block_bytes]
+        packed = torch.empty(run.num_blocks, width, dtype=torch.uint8, pin_memory=True)  # [num_blocks, width]
+        offset = 0
+        for r in plan.ranges:
+            packed[:, offset:offset + r.length] = src_rows[:, r.remote_offset:r.remote_offset + r.length]
+            offset += r.length
+        on_device = packed.to(dst.device, non_blocking=True)  # [num_blocks, width]
+        offset = 0
+        for r in plan.ranges:
+            part = on_device[:, offset:offset + r.length]  # [num_blocks, length]
+            dst_rows[:, r.local_offset:r.local_offset + r.length].copy_(part)
+            offset += r.length
+        buffers.append(packed)
+    return buffers

@@ -317,7 +317,14 @@ class CudaIpcTransport(KVTransport):
                 handle.poll()
             time.sleep(0.001)
         if self._in_flight:
-            logger.error("cuda_ipc: %d copies still queued at close", len(self._in_flight))
+            # NOTE: dropping a peer's opened tensors unmaps its memory, and torch's IPC deleter
+            # waits for the current stream only, not for our side stream: wait for the copies.
+            logger.error("cuda_ipc: %d copies still queued at close: waiting for them before the peers' "
+                         "memory is unmapped", len(self._in_flight))
+            assert self.ipc is not None
+            self.ipc.synchronize()
+            for handle in list(self._in_flight):
+                handle.poll()
         for engine_id in list(self._peers):
             self.remove_remote(engine_id)
         for peer in self._draining:

@@ -60,6 +60,11 @@ class IpcSeam(ABC):
     def record(self) -> CopyEvent:
         """An event after the copies issued so far on the side stream."""
 
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until every copy issued on the side stream ran (before peers' memory is unmapped
+        under copies that are still queued)."""
+
 
 class CudaIpc(IpcSeam):
     """CUDA IPC between processes (a process cannot open its own handles: CUDA refuses)."""
@@ -85,10 +90,13 @@ class CudaIpc(IpcSeam):
         import torch
 
         shared, offset = handle
-        with torch.cuda.device(self.device):
+        # NOTE: the storage lands on the exporter's device (the handle's first field), which under
+        # one visible GPU set may be another index than ours: the tensor must be built there.
+        device = exported_device(shared)
+        with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(*shared)  # type: ignore[attr-defined]
         self.opened += 1
-        empty = torch.empty(0, dtype=dtype, device=self.device)
+        empty = torch.empty(0, dtype=dtype, device=device)
         return empty.set_(storage, offset, shape, contiguous_strides(shape))
 
     def side_stream(self) -> contextlib.AbstractContextManager[None]:
@@ -96,6 +104,17 @@ class CudaIpc(IpcSeam):
 
     def record(self) -> CopyEvent:
         return self._stream.record()
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+
+def exported_device(shared: list[Any]) -> torch.device:
+    """The device a CUDA IPC handle's memory lives on: `_share_cuda_`'s first field is the
+    exporter's device index."""
+    import torch
+
+    return torch.device("cuda", int(shared[0]))
 
 
 class HostIpc(IpcSeam):
@@ -107,6 +126,7 @@ class HostIpc(IpcSeam):
         super().__init__()
         self._stream = SideStream("cpu", copy_delay_s)
         self.fail_open = False  # opening a peer's handle raises, as a foreign handle would
+        self.synchronized = 0  # synchronize() calls, for the tests
 
     def check_device(self, device: str) -> None:
         if device != "cpu":
@@ -141,6 +161,10 @@ class HostIpc(IpcSeam):
 
     def record(self) -> CopyEvent:
         return self._stream.record()
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self._stream.synchronize()
 
 
 def check_cuda_ipc_possible() -> None:

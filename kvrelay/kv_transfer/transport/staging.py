@@ -10,12 +10,23 @@
                                  read is DONE when they ran
 
 The inner transport sees only host tensors, so it serves and reads exactly as it does on a CPU
-instance: its notification (P may free) goes out when the bytes are in D's mirror. The mirror
-costs as much pinned host memory as the KV pool. Push mode does not stage yet.
+instance: its notification (P may free) goes out when the bytes are in D's mirror. Push mode does
+not stage yet.
+
+The mirror costs as much pinned host memory as the KV pool, so a GPU instance that stages caps
+its KV cache at `mirror_bound` (the transfer config's `kv_buffer_size`, else half the host's
+available memory over the instance's TP ranks): pinned memory cannot be swapped, and two
+instances each mirroring most of a GPU would take the host down.
+
+A heterogeneous-TP read fills only some byte ranges of each of D's blocks. A range of a pinned
+block is a strided host tensor, which torch would copy to a GPU through a pageable temporary (a
+synchronous copy): the ranges are gathered into one pinned buffer first, copied over in one
+asynchronous DMA and scattered on the device (block_copy.copy_layer_to_device).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -29,11 +40,37 @@ from kvrelay.kv_transfer.transport.base import (
     WriteGuard,
     describe_kv_caches,
 )
-from kvrelay.kv_transfer.transport.block_copy import CopyPlan, block_bytes_view, copy_layer, plan_copies
+from kvrelay.kv_transfer.transport.block_copy import (
+    CopyPlan,
+    block_bytes_view,
+    copy_layer,
+    copy_layer_to_device,
+    plan_copies,
+)
 from kvrelay.kv_transfer.transport.streams import CopyEvent, SideStream
 
 if TYPE_CHECKING:
     import torch
+
+
+def mirror_bound(kv_buffer_size: float | None, tp_size: int = 1) -> int:
+    """Bytes one rank's pinned host mirror may take: `kv_buffer_size` (per rank), else half the
+    host memory available now over the instance's `tp_size` ranks."""
+    if kv_buffer_size is not None:
+        return int(kv_buffer_size)
+    return available_host_memory() // 2 // max(1, tp_size)
+
+
+def available_host_memory() -> int:
+    """The host's available memory in bytes (Linux MemAvailable; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class _StagedRead(TransferHandle):
@@ -42,6 +79,7 @@ class _StagedRead(TransferHandle):
     def __init__(self, transport: StagedTransport, inner: TransferHandle, plan: CopyPlan) -> None:
         self._transport, self._inner, self._plan = transport, inner, plan
         self._copied: CopyEvent | None = None
+        self._buffers: list[torch.Tensor] = []  # pinned sources of the copies, until they ran
         self._state = TransferState.PENDING
         self._error: str | None = None
 
@@ -53,9 +91,9 @@ class _StagedRead(TransferHandle):
             if inner == TransferState.ERROR:
                 self._state, self._error = inner, self._inner.error
             elif inner == TransferState.DONE:
-                self._copied = self._transport._to_device(self._plan)
+                self._copied, self._buffers = self._transport._to_device(self._plan)
         if self._copied is not None and self._copied.query():
-            self._state = TransferState.DONE
+            self._state, self._buffers = TransferState.DONE, []
         return self._state
 
     def release(self) -> None:
@@ -89,8 +127,10 @@ class StagedTransport(KVTransport):
         device = describe_kv_caches(kv_caches).device
         self._stream = SideStream(device, self._copy_delay_s)
         pin = device.startswith("cuda")
-        # NOTE: zeros, so every page is touched here rather than by a request's first transfer.
-        mirror = {name: torch.zeros(kv.shape, dtype=kv.dtype, pin_memory=pin)  # [num_blocks, 2, H, bs, D]
+        # NOTE: pinning touches (and locks) every page as it allocates; on the CPU zeros do, so no
+        # request's first transfer pays for the page faults.
+        new = torch.empty if pin else torch.zeros
+        mirror = {name: new(kv.shape, dtype=kv.dtype, pin_memory=pin)  # [num_blocks, 2, H, bs, D]
                   for name, kv in kv_caches.items()}
         self._device_layers = [block_bytes_view(kv) for kv in kv_caches.values()]
         self._host_layers = [block_bytes_view(kv) for kv in mirror.values()]
@@ -134,12 +174,15 @@ class StagedTransport(KVTransport):
         plan = plan_copies(local_block_ids, local_block_ids, local_ranges, block_bytes, block_bytes)
         return _StagedRead(self, inner, plan)
 
-    def _to_device(self, plan: CopyPlan) -> CopyEvent:
+    def _to_device(self, plan: CopyPlan) -> tuple[CopyEvent, list[torch.Tensor]]:
+        """Queue the copies; returns their event and the pinned buffers they read (alive until it
+        fired)."""
         assert self._stream is not None
+        buffers: list[torch.Tensor] = []
         with self._stream.copying():
             for device, host in zip(self._device_layers, self._host_layers, strict=True):
-                copy_layer(device, host, plan)
-            return self._stream.record()
+                buffers += copy_layer_to_device(device, host, plan)
+            return self._stream.record(), buffers
 
     # ---------------------------------------------------------------- the rest is the inner's
 

@@ -18,10 +18,10 @@ class CopyEvent(Protocol):
 
 class _Done:
     def __init__(self, delay_s: float) -> None:
-        self._ready_at = time.monotonic() + delay_s
+        self.ready_at = time.monotonic() + delay_s
 
     def query(self) -> bool:
-        return time.monotonic() >= self._ready_at
+        return time.monotonic() >= self.ready_at
 
 
 @contextlib.contextmanager
@@ -35,6 +35,7 @@ class SideStream:
     def __init__(self, device: str, delay_s: float = 0.0) -> None:
         self.device = device
         self.delay_s = delay_s  # CPU only: how long each event takes to report done
+        self._last_ready_at = 0.0  # CPU only: when the last recorded event reports done
         self._stream = None
         if device.startswith("cuda"):
             import torch
@@ -53,12 +54,21 @@ class SideStream:
 
     def record(self) -> CopyEvent:
         if self._stream is None:
-            return _Done(self.delay_s)
+            done = _Done(self.delay_s)
+            self._last_ready_at = max(self._last_ready_at, done.ready_at)
+            return done
         import torch
 
         event = torch.cuda.Event()
         event.record(self._stream)
         return event
+
+    def synchronize(self) -> None:
+        """Block until every copy issued so far ran (on the CPU: until the last event is done)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+            return
+        time.sleep(max(0.0, self._last_ready_at - time.monotonic()))
 
     def wait(self, event: CopyEvent, timeout_s: float) -> bool:
         """Poll `event` until it is done (True) or `timeout_s` passed (False)."""

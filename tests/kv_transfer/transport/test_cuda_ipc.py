@@ -98,6 +98,33 @@ def test_removing_a_peer_mid_copy_closes_its_handles_only_once_the_copy_settled(
     assert collect_notifications(p, 1) == [b"slow:1"]  # it did read: P may count this reader
 
 
+def test_close_waits_for_copies_still_queued_before_it_unmaps_the_peers(pair) -> None:
+    """Dropping an opened tensor unmaps the peer's memory, and torch's IPC deleter waits for the
+    current stream only: close() must wait for the side stream's copies itself."""
+    p, d, d_ipc, p_kv, _, _ = pair
+    d.timeout_s, d_ipc.copy_delay_s = 0.05, 0.4  # the copy outlasts close()'s wait
+    d.read_blocks("engine-p", [1], [2], b"slow:1")
+    unmapped_when_waited = []
+    synchronize = d_ipc.synchronize
+
+    def recording_synchronize() -> None:
+        unmapped_when_waited.append(d_ipc.closed)
+        synchronize()
+
+    d_ipc.synchronize = recording_synchronize  # type: ignore[method-assign]
+    d.close()
+    assert unmapped_when_waited == [0] and d_ipc.synchronized == 1
+    assert d_ipc.closed == len(p_kv) and d.open_peers == 0
+
+
+def test_an_ipc_handle_is_opened_on_the_exporter_s_device_index() -> None:
+    """Under one visible GPU set a peer's memory may sit on another index than ours."""
+    from kvrelay.kv_transfer.transport.ipc import exported_device
+
+    shared = [1, b"handle", 4096, 0, b"ref", 0, b"event", True]  # _share_cuda_'s 8 fields, device 1
+    assert exported_device(shared) == torch.device("cuda", 1)
+
+
 def test_the_notification_waits_for_the_copy_not_for_the_poll(pair) -> None:
     p, d, d_ipc, _, _, _ = pair
     d_ipc.copy_delay_s = 0.2

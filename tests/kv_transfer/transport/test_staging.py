@@ -81,18 +81,25 @@ def test_a_read_is_done_only_once_the_copy_back_ran() -> None:
         p.close()
 
 
-def test_a_head_slice_read_copies_back_only_the_bytes_it_read() -> None:
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device: staging copies GPU KV")])
+
+
+@pytest.mark.parametrize("device", ["cpu", GPU])
+def test_a_head_slice_read_copies_back_only_the_bytes_it_read(device: str) -> None:
+    """On a GPU the ranges go over gathered in a pinned buffer (one DMA), then scattered."""
     p = StagedTransport(create_transport("tcp", "engine-p"))
     d = StagedTransport(create_transport("tcp", "engine-d"))
     try:
-        p_kv = kv_caches(seed=1)
+        p_kv = {name: kv.to(device) for name, kv in kv_caches(seed=1).items()}
         generator = torch.Generator().manual_seed(3)
         d_kv = {name: torch.randn(NUM_BLOCKS, 2, 2 * NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, generator=generator)
-                for name in p_kv}  # D holds twice P's heads: P's block fills half of D's
+                .to(device) for name in p_kv}  # D holds twice P's heads: P's block fills half of D's
         before = {name: kv.clone() for name, kv in d_kv.items()}
         d.register_kv_caches(d_kv)
         d.add_remote("engine-p", p.agent_metadata(), p.register_kv_caches(p_kv))
         p.stage_for_peers([3])
+        assert p.wait_staged([3], 10)
         head_bytes = BLOCK_SIZE * HEAD_DIM * 4
         k_bytes = NUM_KV_HEADS * head_bytes  # P's K heads -> D's first K heads, P's V -> D's first V
         ranges = [ByteRange(0, 0, k_bytes), ByteRange(k_bytes, 2 * k_bytes, k_bytes)]
