@@ -72,7 +72,8 @@ def kv_events_args(directory: Path, name: str, topic: str = "kv") -> tuple[str, 
 
 def nixl_args(role: str = "kv_both") -> tuple[str, ...]:
     """vLLM's own NixlConnector (NIXL in `.venv-vllm`); give each server its own side channel
-    with `nixl_env()`."""
+    with `nixl_env()`. NOTE: on a CPU, vLLM 0.32's NIXL worker moves its compute thread to the last
+    core of the NUMA node (nixl/base_worker.py), whatever `core` says."""
     return ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role}))
 
 
