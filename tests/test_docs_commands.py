@@ -83,6 +83,9 @@ EXERCISED = {
     "serve --data-parallel-rank --data-parallel-size":
         "tests/engine/test_data_parallel.py::test_a_rank_served_alone_takes_requests_named_for_it_only",
     "up --decode-dp --prefill-dp": DP_UP,
+    # the proxy with no P/D in front of two vLLM instances, routing by their KV events
+    "proxy --decode --model --routing": "tests/disagg/routing/test_vllm_routing.py::"
+                                        "test_repeats_of_a_prefix_follow_the_vllm_instance_its_events_say_caches_it",
     "up --admin --decode-instances --prefill-instances --routing":
         "tests/disagg/test_pool_e2e.py::"
         "test_a_running_cluster_takes_a_new_decode_instance_and_drains_an_old_one_losing_nothing",

@@ -54,6 +54,7 @@ class Backend:
     events: StreamAddress | None = None  # where it publishes KV events, when known (rank 0's)
     # Where its other data-parallel ranks publish, by rank (empty: one rank, or not known).
     rank_events: dict[int, StreamAddress] = field(default_factory=dict)
+    engine: str | None = None  # "kvrelay", "vllm" or "unknown", once asked (routing/instances.py)
 
     @property
     def index_keys(self) -> tuple[str, ...]:
@@ -77,8 +78,9 @@ def check_url(role: str, url: str) -> str:
 class BackendPool:
     """The prefill or the decode instances, and the policy that picks among the active ones."""
 
-    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None) -> None:
-        if not urls:
+    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None,
+                 allow_empty: bool = False) -> None:
+        if not urls and not allow_empty:
             raise ValueError(f"the {name} pool needs at least one backend URL")
         self.name = name
         self.policy = policy or LeastLoaded()
