@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 VLLM_VERSION = "0.32.0"
+# Its sitecustomize keeps each server on the core it is given (vLLM's NIXL worker would move it).
+VLLM_SITE = ROOT / "benchmarks" / "vllm_site"
 SERVED_NAME = "SmolLM2-135M-Instruct"
 # Flags every test server gets unless it passes its own: float32 (exact comparisons), no compile
 # (start-up in seconds), a small context.
@@ -51,13 +53,15 @@ def hf_model_dir() -> Path:
 
 
 def vllm_env(core: int | None, kv_cache_gib: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM CPU's settings: its OpenMP threads on `core` (None: every core), none reserved for the
-    front end, a KV cache of `kv_cache_gib`; kvrelay importable from this tree (the plugin)."""
+    """vLLM CPU's settings: its OpenMP threads on `core` (None: every core) and kept there
+    (VLLM_SITE), none reserved for the front end, a KV cache of `kv_cache_gib`; kvrelay importable
+    from this tree (the plugin)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVRELAY_API_KEY"))}
     cores = str(core) if core is not None else f"0-{(os.cpu_count() or 1) - 1}"
     env.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (str(VLLM_SITE), str(ROOT), os.environ.get("PYTHONPATH", ""))
+                                          if p))
     env.update(extra or {})
     return env
 
@@ -72,8 +76,8 @@ def kv_events_args(directory: Path, name: str, topic: str = "kv") -> tuple[str, 
 
 def nixl_args(role: str = "kv_both") -> tuple[str, ...]:
     """vLLM's own NixlConnector (NIXL in `.venv-vllm`); give each server its own side channel
-    with `nixl_env()`. NOTE: on a CPU, vLLM 0.32's NIXL worker moves its compute thread to the last
-    core of the NUMA node (nixl/base_worker.py), whatever `core` says."""
+    with `nixl_env()`. On a CPU, vLLM 0.32's NIXL worker would move its compute thread to the last
+    core of the NUMA node (nixl/base_worker.py); VLLM_SITE's sitecustomize keeps it on `core`."""
     return ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role}))
 
 

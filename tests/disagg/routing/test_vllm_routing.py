@@ -73,7 +73,7 @@ def proxy(prefill: list[str], decode: list[str], **config: Any) -> Iterator[tupl
 
 def complete(url: str, tokens: list[int]) -> dict[str, Any]:
     body = {"model": SERVED_NAME, "prompt": tokens, "max_tokens": 4, "temperature": 0.0}
-    # NOTE: generous: on 2 shared cores both NIXL instances compute on the last one (nixl_args).
+    # NOTE: generous: two vLLM instances share 2 cores with whatever else the machine runs.
     response = httpx.post(url + "/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return dict(response.json())
