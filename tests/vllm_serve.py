@@ -60,8 +60,8 @@ def vllm_env(core: int | None, kv_cache_gib: int = 1, extra: dict[str, str] | No
     cores = str(core) if core is not None else f"0-{(os.cpu_count() or 1) - 1}"
     env.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(p for p in (str(VLLM_SITE), str(ROOT), os.environ.get("PYTHONPATH", ""))
-                                          if p))
+               PYTHONPATH=os.pathsep.join(
+                   p for p in (str(VLLM_SITE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     env.update(extra or {})
     return env
 
