@@ -14,6 +14,7 @@ from kvrelay.config import EngineConfig
 from kvrelay.kv_transfer.compat import compat_fingerprint
 from kvrelay.model.llama import build_model
 from kvrelay.model.spec import ModelSpec
+from kvrelay.worker.batch_invariance import numerics
 from kvrelay.worker.kv_calibration import calibrate_kv_scales, scales_digest
 
 _SAMPLE = 64  # elements per parameter in the weights fingerprint
@@ -43,7 +44,7 @@ def build_kv_setup(config: EngineConfig, spec: ModelSpec, weights: Mapping[str, 
     fingerprint = compat_fingerprint(
         model=model_fingerprint(spec, weights), kv_cache_dtype=fmt.name, kv_scales=policy,
         layout=kv_layout(spec), block_size=config.cache.block_size, head_size=spec.head_dim,
-        num_kv_heads=spec.num_kv_heads)
+        num_kv_heads=spec.num_kv_heads, numerics=numerics(config))
     per_layer = spec.head_dim if spec.is_mla else 2 * spec.num_kv_heads * spec.head_dim
     bytes_per_token = spec.num_layers * per_layer * fmt.element_size
     return KVSetup(fmt, scales, fingerprint, bytes_per_token)
