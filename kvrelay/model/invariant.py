@@ -45,7 +45,9 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     """RMSNorm of each row of x [..., D] in the native kernel's order (CPU, float32)."""
     kernels = elementwise_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if kernels is None:
-        return torch_rms_norm(x, weight, eps)  # CUDA: one thread block per row, a fixed tree
+        # NOTE: on CUDA torch's fused kernel, assumed to reduce a row in one thread block shaped by
+        # the row's length alone; tests/gpu/test_batch_invariance_gpu.py is what proves it.
+        return torch_rms_norm(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, D]
     return kernels.add_rms_norm(None, rows, weight, eps).view(x.shape)
 

@@ -80,19 +80,23 @@ def test_without_the_mode_the_needle_test_finds_differences() -> None:
     assert not all(same for _, same, _ in results), f"no batch size changed a logprob: {results}"
 
 
-def test_decode_logprobs_equal_the_logprobs_of_prefilling_the_prompt_and_the_tokens_before() -> None:
-    llm = make_llm(True, enable_prefix_caching=False)  # each prefill computes its whole prompt
-    prompt = tokens(random.Random(1), 180)
+def decoded_and_prefilled(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each generated token's logprob as decoded, and from a prefill of prompt + the tokens before
+    it (token ids, not text), all those prefills at once."""
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     decoded = generate(llm, [prompt], greedy)[0]
     generated = decoded.outputs[0].token_ids
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=0)
-    # Token i's logprob from a prefill of prompt + generated[:i] (token ids, not text), all at once.
     prefilled = generate(llm, [prompt + generated[:i] for i in range(len(generated))], one)
     for i, out in enumerate(prefilled):
         assert out.outputs[0].token_ids == [generated[i]]
-    at_prefill = torch.cat([sampled_logprobs(out) for out in prefilled])
-    assert torch.equal(sampled_logprobs(decoded), at_prefill)
+    return sampled_logprobs(decoded), torch.cat([sampled_logprobs(out) for out in prefilled])
+
+
+def test_decode_logprobs_equal_the_logprobs_of_prefilling_the_prompt_and_the_tokens_before() -> None:
+    llm = make_llm(True, enable_prefix_caching=False)  # each prefill computes its whole prompt
+    at_decode, at_prefill = decoded_and_prefilled(llm, tokens(random.Random(1), 180))
+    assert torch.equal(at_decode, at_prefill)
     assert_no_leak(llm)
 
 
@@ -153,6 +157,22 @@ def test_the_avx2_build_of_the_kernels_is_batch_invariant_too(monkeypatch: pytes
     prompts = [tokens(rng, rng.randrange(150, 301)) for _ in range(15)]
     prompts.insert(9, needle)
     assert torch.equal(sampled_logprobs(generate(llm, prompts)[9]), sampled_logprobs(alone))
+
+
+def test_tensor_parallel_2_is_batch_invariant_too() -> None:
+    """Each rank's row-parallel partial products are summed by a two-rank all-reduce: a sum of two
+    numbers, the same in either order, whatever the step's token count."""
+    llm = make_llm(True, num_blocks=600, tensor_parallel_size=2)
+    try:
+        rng = random.Random(7)
+        needle = tokens(rng, NEEDLE_TOKENS)
+        alone = generate(llm, [needle])[0]
+        prompts = [tokens(rng, rng.randrange(150, 301)) for _ in range(15)]
+        prompts.insert(4, needle)
+        assert torch.equal(sampled_logprobs(generate(llm, prompts)[4]), sampled_logprobs(alone))
+        assert_no_leak(llm)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: biases; qwen3: norms of q and k
