@@ -53,9 +53,7 @@ class LLMEngine:
         self.spec = loaded.spec
         tp_size = config.parallel.tensor_parallel_size
         check_tensor_parallel(self.spec, tp_size)
-        batch_invariance.check_supported(config, self.spec)
-        if config.model.batch_invariant and torch.device(config.model.device).type == "cuda":
-            batch_invariance.configure_cuda()  # before anything here multiplies on the GPU
+        batch_invariance.prepare(config, self.spec)  # before anything here multiplies on a GPU
         # The spec of the model one rank runs: its KV heads size the blocks and the connectors.
         self.rank_spec = shard_spec(self.spec, shard_layout(self.spec, 0, tp_size))
         self.tokenizer = loaded.tokenizer

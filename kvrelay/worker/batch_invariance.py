@@ -24,12 +24,20 @@ import torch
 
 from kvrelay.config import EngineConfig
 from kvrelay.kernels.native import KernelUnavailable, numerics_target
+from kvrelay.kv_transfer.compat import DEFAULT_NUMERICS
 from kvrelay.model.spec import ModelSpec
 
-DEFAULT_NUMERICS = "default"  # the fingerprint's numerics outside the mode
 _VERSION = "batch-invariant-v1"
 _MAX_TP = 2  # a sum of two partial products is the same in either order; of three, not
 _MIN_CUDA_CAPABILITY = (9, 0)  # Hopper: cuBLAS can be held off split-K; older GPUs pick it by M
+
+
+def prepare(config: EngineConfig, spec: ModelSpec) -> None:
+    """At an engine's start, in the mode: refuse what it cannot do (`check_supported`) and, on
+    CUDA, set cuBLAS up (`configure_cuda`). Nothing outside the mode."""
+    check_supported(config, spec)
+    if config.model.batch_invariant and torch.device(config.model.device).type == "cuda":
+        configure_cuda()
 
 
 def check_supported(config: EngineConfig, spec: ModelSpec) -> None:

@@ -127,7 +127,7 @@ def test_the_flag_the_llm_argument_and_the_environment_switch_it_on(monkeypatch:
         assert llm.engine.config.model.batch_invariant
         assert llm.engine.kv.fingerprint["numerics"].startswith("batch-invariant-v1")
     with LLM(loaded_model=tiny_loaded_model(), num_blocks=16, batch_invariant=False) as llm:
-        assert llm.engine.kv.fingerprint["numerics"] == "default"
+        assert "numerics" not in llm.engine.kv.fingerprint  # the default: as before the field existed
     monkeypatch.setenv("KVRELAY_BATCH_INVARIANT", "maybe")
     with pytest.raises(ValueError, match="KVRELAY_BATCH_INVARIANT must be 1 or 0, got 'maybe'"):
         parsed()
