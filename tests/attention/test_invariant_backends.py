@@ -6,8 +6,9 @@ and a decode; its last token as a one-token step alone, and in decode batches of
 same row of the whole prefill, and that prefill must match the torch route.
 
 The CPU route runs the native kernel (kvrelay/attention/backends/cpu_rows.py); the Triton route
-runs under Triton's interpreter off a GPU (tests/conftest.py), which proves the kernel choice and
-the split count, not the GPU's arithmetic (docs/gpu.md)."""
+runs compiled on a GPU where one is visible (DEVICE), else under Triton's interpreter
+(tests/conftest.py), which proves the kernel choice, the split count and the tiling, not the
+GPU's arithmetic (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvrelay.attention.forward_context import ForwardContext, set_forward_contex
 from kvrelay.attention.layer import Attention
 from kvrelay.attention.metadata import StepBatch
 from tests.attention.test_backends import BLOCK_SIZE, NUM_BLOCKS, make_layer, shuffled_tables
+from tests.kernels.triton.reference import DEVICE
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 LENGTH = 23  # the sequence under test: 5 full blocks and a partial one
@@ -38,9 +40,10 @@ class Tokens:
         width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         self.qkv = {name: torch.randn(64, width, generator=gen) for name in ("main", "other", "third")}
 
-    def rows(self, parts: list[tuple[str, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows(self, parts: list[tuple[str, int, int]],
+             device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the positions [start, end) of each named sequence, stacked in order."""
-        qkv = torch.cat([self.qkv[name][start:end] for name, start, end in parts])
+        qkv = torch.cat([self.qkv[name][start:end] for name, start, end in parts]).to(device)
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
         return q, k, v
 
@@ -49,21 +52,22 @@ def tables(*lengths: int) -> list[list[int]]:
     return shuffled_tables(list(lengths), seed=7)
 
 
-def layer_for(backend: AttentionBackend) -> Attention:
-    return make_layer(backend, HEADS, KV_HEADS, HEAD_DIM)
-
-
 def run(layer: Attention, tokens: Tokens, step: Step, parts: list[tuple[str, int, int]]) -> torch.Tensor:
     query_lens, seq_lens, block_tables = step
-    batch = StepBatch.from_lists(query_lens, seq_lens, block_tables, BLOCK_SIZE, CPU)
+    device = layer.kv_cache.device
+    batch = StepBatch.from_lists(query_lens, seq_lens, block_tables, BLOCK_SIZE, device)
     assert layer.backend is not None
     meta = layer.backend.build_metadata(batch)
     with set_forward_context(ForwardContext({"layer": meta})):
-        return layer(*tokens.rows(parts))
+        return layer(*tokens.rows(parts, device)).cpu()
 
 
-def scenarios(backend_of: Callable[[], AttentionBackend]) -> dict[str, torch.Tensor]:
+def scenarios(backend_of: Callable[[], AttentionBackend],
+              device: torch.device = CPU) -> dict[str, torch.Tensor]:
     """The main sequence's output rows (of the positions each scenario computes) per scenario."""
+    def layer_for(backend: AttentionBackend) -> Attention:
+        return make_layer(backend, HEADS, KV_HEADS, HEAD_DIM, device=str(device))
+
     tokens, out = Tokens(0), {}
     main, other, third = tables(LENGTH, 32, 16)
     layer = layer_for(backend_of())  # the whole prompt in one step
@@ -104,7 +108,7 @@ def test_the_cpu_route_computes_a_row_alike_in_every_step() -> None:
 
 
 def test_the_triton_route_computes_a_row_alike_in_every_step() -> None:
-    out = scenarios(lambda: TritonBackend(KV_HEADS, 64, batch_invariant=True))
+    out = scenarios(lambda: TritonBackend(KV_HEADS, 64, batch_invariant=True), DEVICE)
     assert_invariant(out)
     torch.testing.assert_close(out["whole"], scenarios(TorchBackend)["whole"], rtol=1e-5, atol=1e-5)
 
@@ -116,19 +120,21 @@ def test_the_triton_route_gives_a_graph_padded_decode_step_the_same_rows() -> No
     prefill = ([LENGTH - 1, 30], [LENGTH - 1, 30], [main, other])
     decode = ([1, 1], [LENGTH, 31], [main, other])
     parts = [("main", LENGTH - 1, LENGTH), ("other", 30, 31)]
-    eager = layer_for(backend)
-    run(eager, tokens, prefill, [("main", 0, LENGTH - 1), ("other", 0, 30)])
-    want = run(eager, tokens, decode, parts)
-    for padded in (2, 8):  # the captured sizes a step of two runs at
-        layer = layer_for(backend)
+
+    def prefilled_layer() -> Attention:
+        layer = make_layer(backend, HEADS, KV_HEADS, HEAD_DIM, device=str(DEVICE))
         run(layer, tokens, prefill, [("main", 0, LENGTH - 1), ("other", 0, 30)])
-        inputs = backend.graph_inputs(8, 16, CPU)  # a replay's static buffers, padded to `padded` rows
-        inputs.fill(StepBatch.from_lists(*decode, BLOCK_SIZE, CPU), padded)
-        q, k, v = tokens.rows(parts)
+        return layer
+
+    want = run(prefilled_layer(), tokens, decode, parts)
+    for padded in (2, 8):  # the captured sizes a step of two runs at
+        layer = prefilled_layer()
+        inputs = backend.graph_inputs(8, 16, DEVICE)  # a replay's static buffers, padded to `padded` rows
+        inputs.fill(StepBatch.from_lists(*decode, BLOCK_SIZE, DEVICE), padded)
         pad = padded - 2  # padding rows: they write no KV (slot -1) and read no block
-        rows = [torch.cat([t, torch.zeros(pad, t.shape[1])]) for t in (q, k, v)]
+        rows = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in tokens.rows(parts, DEVICE)]
         with set_forward_context(ForwardContext({"layer": inputs.metadata_for(padded)})):
-            got = layer(*rows)[:2]
+            got = layer(*rows)[:2].cpu()
         assert torch.equal(got, want), padded
 
 
@@ -144,7 +150,7 @@ def test_the_mode_has_no_torch_route_and_no_mla() -> None:
 
 def test_the_cpu_route_refuses_a_block_outside_the_cache_and_needs_the_kernel(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    layer = layer_for(RowsCpuBackend())
+    layer = make_layer(RowsCpuBackend(), HEADS, KV_HEADS, HEAD_DIM)
     tokens = Tokens(2)
     with pytest.raises(ValueError, match="outside the KV cache"):
         run(layer, tokens, ([1], [5], [[1, NUM_BLOCKS + 3]]), [("main", 4, 5)])
