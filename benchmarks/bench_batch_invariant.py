@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-BASELINE_REV = "4d7941a"  # main before the batch-invariant mode (issue 40)
+BASELINE_REV = "459b809"  # main before the batch-invariant mode (issue 40)
 WORKLOADS = ("single", "batch32", "mixed")
 
 
