@@ -23,7 +23,6 @@ from kvrelay.model.sharding import check_tensor_parallel, shard_layout, shard_sp
 from kvrelay.outputs import RequestOutput
 from kvrelay.request import Request, RequestStatus
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.worker import batch_invariance
 from kvrelay.worker.kv_setup import build_kv_setup
 from kvrelay.worker.model_runner import ModelRunner, kv_block_bytes, torch_dtype
 from kvrelay.worker.worker import WorkerPlan, kv_cache_spec
@@ -53,7 +52,6 @@ class LLMEngine:
         self.spec = loaded.spec
         tp_size = config.parallel.tensor_parallel_size
         check_tensor_parallel(self.spec, tp_size)
-        batch_invariance.prepare(config, self.spec)  # before anything here multiplies on a GPU
         # The spec of the model one rank runs: its KV heads size the blocks and the connectors.
         self.rank_spec = shard_spec(self.spec, shard_layout(self.spec, 0, tp_size))
         self.tokenizer = loaded.tokenizer
