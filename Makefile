@@ -9,10 +9,12 @@ STAMP := $(VENV)/.installed-stamp
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+ROUTER_VENV := .venv-vllm-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed-stamp
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why a KV cache speeds up LLM decoding.
 
-.PHONY: install test up generate lint bench bench-serving bench-vllm clean
+.PHONY: install test up generate lint bench bench-serving bench-vllm bench-routing-vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +62,9 @@ $(VLLM_STAMP): pyproject.toml
 	# It pulls torchvision, torchaudio and torchcodec built for other torch versions; vLLM runs
 	# text models without them, and with them it fails to import (torchcodec's library won't load).
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# NIXL for vLLM's NixlConnector (it imports `nixl._api`: the `nixl` package, and its CUDA-12
+	# build, which also runs on host memory) and xxhash for its xxhash prefix-caching hashes.
+	$(VLLM_PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 xxhash
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(VLLM_STAMP)
 
@@ -68,5 +73,17 @@ $(VLLM_STAMP): pyproject.toml
 bench-vllm: install $(VLLM_STAMP)
 	$(PY) benchmarks/bench_offline.py --only single,mixed --vllm-python $(VLLM_PY)
 
+# vllm-router (PyPI, a Rust binary in a wheel) in a venv of its own: the router bench_routing.py
+# --engine vllm compares with (its cache_aware policy).
+$(ROUTER_STAMP):
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install -q vllm-router==0.1.17
+	$(ROUTER_VENV)/bin/vllm-router --help > /dev/null
+	touch $(ROUTER_STAMP)
+
+# The routing benchmark on vLLM servers: 2 instances and 1P+2D, kvrelay's proxy and vllm-router.
+bench-routing-vllm: install $(VLLM_STAMP) $(ROUTER_STAMP)
+	$(PY) benchmarks/bench_routing.py --engine vllm
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(ROUTER_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_routing.py                     # both policies, one run
     .venv/bin/python benchmarks/bench_routing.py --families 12 --rate 0.5 --json out.json
+    .venv/bin/python benchmarks/bench_routing.py --engine vllm       # vLLM servers (bench_routing_vllm.py)
 
 The workload comes from a Mooncake trace (../shared/data/mooncake_traces; each request lists
 the ids of its 512-token prompt blocks, equal ids being a shared prefix). Whole prefix families
@@ -29,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -136,18 +138,21 @@ def instances_total(cluster: LocalCluster, name: str, which: str = "all") -> flo
     return sum(scrape(c.url).get(name, 0.0) for c in children)
 
 
-async def replay(url: str, requests: list[BenchRequest],
-                 max_tokens: int) -> tuple[list[StreamResult], float]:
-    """Send every request at its arrival time (open loop), streamed; the results and the wall time."""
+async def replay(url: str, requests: list[BenchRequest], max_tokens: int, prompts: list[Any] | None = None,
+                 model: str | None = None) -> tuple[list[StreamResult], float]:
+    """Send every request at its arrival time (open loop), streamed; the results and the wall time.
+    `prompts`: what to send as each request's prompt (default: its token ids)."""
     limits = httpx.Limits(max_connections=len(requests) + 4)
     timeout = httpx.Timeout(900, connect=10)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         start = time.perf_counter()
         tasks = []
-        for request in requests:
+        for i, request in enumerate(requests):
             await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
-            body = {"prompt": list(request.token_ids), "max_tokens": max_tokens, "temperature": 0.0,
-                    "ignore_eos": True}
+            body = {"prompt": prompts[i] if prompts is not None else list(request.token_ids),
+                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+            if model is not None:
+                body["model"] = model
             tasks.append(asyncio.create_task(stream_completion(client, url + "/v1/completions", body)))
         results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - start
@@ -252,6 +257,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory", default="1GiB", help="per instance")
     p.add_argument("--threads-per-instance", type=int, default=None)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--engine", choices=("kvrelay", "vllm"), default="kvrelay",
+                   help="the instances: kvrelay serve (2P+2D), or vLLM servers (bench_routing_vllm.py)")
+    from bench_routing_vllm import add_args
+
+    add_args(p)
     return p.parse_args(argv)
 
 
@@ -259,10 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     requests = build_requests(Path(args.trace), args.families, args.min_members, args.per_family,
                               args.tokens_per_id, args.rate)
-    results = [run_policy(policy, requests, args) for policy in args.policies]
-    passed = print_report(results, args)
+    if args.engine == "vllm":
+        from bench_routing_vllm import main as run_vllm
+
+        passed, vllm_results = run_vllm(args, requests)
+        rows = [asdict(r) for r in vllm_results]
+    else:
+        results = [run_policy(policy, requests, args) for policy in args.policies]
+        passed = print_report(results, args)
+        rows = [asdict(r) for r in results]
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if passed else 1
 
 

@@ -40,7 +40,7 @@ _ENGINE_GPU = "tests/gpu/test_engine_gpu.py"
 # The test files each part of scripts/gpu_check.sh runs (pytest node ids allowed).
 TEST_GROUPS: dict[str, list[str]] = {
     "kernels": ["tests/kernels/triton", "tests/attention/test_backends.py",
-                "tests/attention/test_triton_variants.py"],
+                "tests/attention/test_triton_variants.py", "tests/attention/test_invariant_backends.py"],
     "smoke": [f"{_ENGINE_GPU}::test_float32_greedy_tokens_equal_transformers_on_the_same_weights",
               f"{_ENGINE_GPU}::test_cuda_graph_tokens_are_identical_to_eager_tokens_in_bf16"],
     "gpu": [_ENGINE_GPU, "tests/gpu/test_pd_gpu.py", "tests/gpu/test_serve_gpu.py"],

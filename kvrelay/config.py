@@ -122,6 +122,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # A Jinja chat template (its text) used instead of the model's own (vLLM's --chat-template).
     chat_template: str | None = None
+    # The batch-invariant mode (docs/batch_invariance.md): a request's logprobs are bitwise the
+    # same whatever it is batched with, however its prompt is chunked or loaded, on one instance
+    # or through P/D; kvrelay/worker/batch_invariance.py.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if str(self.device).strip().lower() != "auto":
@@ -140,9 +144,27 @@ class ModelConfig:
                              f"got {self.attention_backend!r}")
         if self.attention_backend == "cpu" and self.device not in ("cpu", "auto"):
             raise ValueError(f"attention_backend 'cpu' runs the native CPU kernels; device is {self.device}")
+        _check_batch_invariant(self)
         if self.attention_backend == "triton" and self.device == "cpu" and not _triton_interpreted():
             raise ValueError("attention_backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 "
                              "to run the kernels under Triton's interpreter, for tests)")
+
+
+def _check_batch_invariant(model: ModelConfig) -> None:
+    """What the batch-invariant mode cannot do, known before the model loads (the rest, which
+    needs the model, is checked by kvrelay/worker/batch_invariance.py)."""
+    if not isinstance(model.batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be true or false, got {model.batch_invariant!r}")
+    if not model.batch_invariant:
+        return
+    if model.attention_backend == "torch":
+        raise ValueError("batch_invariant needs an attention route that computes prefill and decode rows "
+                         "alike (cpu or triton); the torch route prefills through "
+                         "scaled_dot_product_attention and decodes through batched matmuls: use "
+                         "--attention-backend auto")
+    if model.device == "cpu" and model.dtype != "float32":
+        raise ValueError(f"batch_invariant on the CPU runs the native float32 kernels; --dtype {model.dtype} "
+                         "has none: use --dtype float32 (the CPU default)")
 
 
 @dataclass(frozen=True)

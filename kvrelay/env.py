@@ -11,6 +11,7 @@ monkeypatch the environment. Keep this list short; configuration belongs in `kvr
 | `KVRELAY_ADMIN_KEY` | unset              | key of the proxy's admin API (`kvrelay proxy`, `kvrelay pool`) |
 | `KVRELAY_NATIVE_KERNELS` | `1`           | `0`: never compile/use the native C kernels        |
 | `KVRELAY_NATIVE_ARCH` | `native`         | their build target: `native`, `haswell` (AVX2) or `generic` |
+| `KVRELAY_BATCH_INVARIANT` | `0`          | `1`: the batch-invariant mode (`--batch-invariant`) by default |
 
 Read as huggingface_hub reads them, to find a repo id in the local Hugging Face cache (kvrelay never
 downloads): `HF_HUB_CACHE`, else `HF_HOME/hub`, else `XDG_CACHE_HOME/huggingface/hub`, else
@@ -68,3 +69,12 @@ def hf_hub_cache() -> Path:
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
     xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
     return Path(xdg).expanduser() / "huggingface" / "hub"
+def batch_invariant() -> bool:
+    """Whether engines run the batch-invariant mode when `--batch-invariant` / `LLM(batch_invariant=)`
+    does not say (`KVRELAY_BATCH_INVARIANT`, default off; vLLM's `VLLM_BATCH_INVARIANT`)."""
+    raw = os.environ.get("KVRELAY_BATCH_INVARIANT", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"KVRELAY_BATCH_INVARIANT must be 1 or 0, got {raw!r}")

@@ -50,6 +50,8 @@ PUSH = ("tests/disagg/test_up_push.py::"
         "test_push_cluster_answers_equal_a_single_instance_and_d_computes_one_token")
 DP_UP = ("tests/disagg/test_up_data_parallel.py::"
          "test_answers_through_the_proxy_equal_one_engine_and_d_loads_every_prompt_from_p")
+BATCH_INVARIANT_UP = ("tests/disagg/test_up_batch_invariant.py::"
+                      "test_answers_through_p_and_d_are_bitwise_a_single_instances")
 EXERCISED = {
     "serve": "tests/entrypoints/test_openai_server.py::"
              "test_api_key_is_required_on_every_route_but_health_and_metrics",
@@ -83,6 +85,12 @@ EXERCISED = {
     "serve --data-parallel-rank --data-parallel-size":
         "tests/engine/test_data_parallel.py::test_a_rank_served_alone_takes_requests_named_for_it_only",
     "up --decode-dp --prefill-dp": DP_UP,
+    # the proxy with no P/D in front of two vLLM instances, routing by their KV events
+    "proxy --decode --model --routing": "tests/disagg/routing/test_vllm_routing.py::"
+                                        "test_repeats_of_a_prefix_follow_the_vllm_instance_its_events_say_caches_it",
+    # the P and D of `kvrelay up --batch-invariant` are `kvrelay serve --batch-invariant` processes
+    "serve --batch-invariant": BATCH_INVARIANT_UP,
+    "up --batch-invariant": BATCH_INVARIANT_UP,
     "up --admin --decode-instances --prefill-instances --routing":
         "tests/disagg/test_pool_e2e.py::"
         "test_a_running_cluster_takes_a_new_decode_instance_and_drains_an_old_one_losing_nothing",

@@ -10,6 +10,7 @@ compiled with a warm compile cache, 82 s cold.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 VLLM_VERSION = "0.32.0"
+# Its sitecustomize keeps each server on the core it is given (vLLM's NIXL worker would move it).
+VLLM_SITE = ROOT / "benchmarks" / "vllm_site"
 SERVED_NAME = "SmolLM2-135M-Instruct"
 # Flags every test server gets unless it passes its own: float32 (exact comparisons), no compile
 # (start-up in seconds), a small context.
@@ -50,15 +53,36 @@ def hf_model_dir() -> Path:
 
 
 def vllm_env(core: int | None, kv_cache_gib: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM CPU's settings: its OpenMP threads on `core` (None: every core), none reserved for the
-    front end, a KV cache of `kv_cache_gib`; kvrelay importable from this tree (the plugin)."""
+    """vLLM CPU's settings: its OpenMP threads on `core` (None: every core) and kept there
+    (VLLM_SITE), none reserved for the front end, a KV cache of `kv_cache_gib`; kvrelay importable
+    from this tree (the plugin)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVRELAY_API_KEY"))}
     cores = str(core) if core is not None else f"0-{(os.cpu_count() or 1) - 1}"
     env.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+               PYTHONPATH=os.pathsep.join(
+                   p for p in (str(VLLM_SITE), str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     env.update(extra or {})
     return env
+
+
+def kv_events_args(directory: Path, name: str, topic: str = "kv") -> tuple[str, ...]:
+    """`--kv-events-config` publishing on ipc:// sockets in `directory` (vLLM binds them; a
+    restarted server binds the same ones), with a replay socket."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": topic,
+              "endpoint": f"ipc://{directory}/{name}-pub", "replay_endpoint": f"ipc://{directory}/{name}-replay"}
+    return ("--kv-events-config", json.dumps(config))
+
+
+def nixl_args(role: str = "kv_both") -> tuple[str, ...]:
+    """vLLM's own NixlConnector (NIXL in `.venv-vllm`); give each server its own side channel
+    with `nixl_env()`. On a CPU, vLLM 0.32's NIXL worker would move its compute thread to the last
+    core of the NUMA node (nixl/base_worker.py); VLLM_SITE's sitecustomize keeps it on `core`."""
+    return ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": role}))
+
+
+def nixl_env() -> dict[str, str]:
+    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
 
 class VllmServer:
@@ -69,16 +93,22 @@ class VllmServer:
 
     def __init__(self, log_path: Path, *args: str, core: int | None = None, kv_cache_gib: int = 1,
                  env: dict[str, str] | None = None, model: Path | None = None,
-                 default_args: tuple[str, ...] = DEFAULT_ARGS) -> None:
-        self.port = free_port()
+                 default_args: tuple[str, ...] = DEFAULT_ARGS, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(model or hf_model_dir()), "--served-model-name", SERVED_NAME,
-               "--host", "127.0.0.1", "--port", str(self.port), *default_args, *args]
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         env=vllm_env(core, kv_cache_gib, env), start_new_session=True)
+        self.cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(model or hf_model_dir()), "--served-model-name", SERVED_NAME,
+                    "--host", "127.0.0.1", "--port", str(self.port), *default_args, *args]
+        self.env = vllm_env(core, kv_cache_gib, env)
+        self.start()
+
+    def start(self) -> None:
+        """Start the server (again, after `stop()`: same port, flags and environment, an empty
+        cache); its output is appended to the log."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
 
     def __enter__(self) -> VllmServer:
         return self

@@ -20,13 +20,15 @@ class SchedulerStats:
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
     kv_lease_expired: int = 0
+    kv_transfer_incompatible: int = 0  # handshakes refused: the peer's KV cannot be used here
     # "backend:path" -> GB/s of the start-up loopback check (the slowest rank's)
     kv_transfer_loopback_gbps: dict[str, float] = field(default_factory=dict)
 
     def absorb_connector_stats(self, stats: dict[str, Any]) -> None:
         """Fold one step's worker-side connector stats in (keys as in kvrelay.kv_transfer.base:
         bytes_loaded, bytes_saved, seconds_loading, seconds_saving, load_failures,
-        save_failures; lease_expired for connectors with leases)."""
+        save_failures; lease_expired for connectors with leases; handshakes_incompatible for the
+        P2P connectors)."""
         if not stats:
             return
         self.kv_transfer_bytes += int(stats.get("bytes_loaded", 0)) + int(stats.get("bytes_saved", 0))
@@ -34,6 +36,7 @@ class SchedulerStats:
             stats.get("seconds_saving", 0.0))
         self.kv_transfer_failures += int(stats.get("load_failures", 0)) + int(stats.get("save_failures", 0))
         self.kv_lease_expired += int(stats.get("lease_expired", 0))
+        self.kv_transfer_incompatible += int(stats.get("handshakes_incompatible", 0))
         for key, value in stats.items():
             if key.startswith("loopback_gbps:"):  # "loopback_gbps:{backend}:{path}:{tp_rank}"
                 label = key.split(":", 1)[1].rsplit(":", 1)[0]

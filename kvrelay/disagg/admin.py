@@ -66,6 +66,9 @@ class AdminAPI:
         role = body.get("role")
         if role not in ROLES:
             raise AdminError(400, f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role == "prefill" and self.manager.config.aggregated:
+            raise AdminError(400, "this proxy serves without P/D (it started with no prefill instance): "
+                                  "add decode instances, each serves whole requests")
         try:
             url = check_url(role, body.get("url"))  # type: ignore[arg-type]
         except ValueError as e:

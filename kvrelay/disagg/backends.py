@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvrelay.disagg.instance_info import InstanceInfo
+from kvrelay.disagg.instance_info import ModelCard
 from kvrelay.disagg.routing.kv_index import rank_key
 from kvrelay.disagg.routing.policies import Decision, LeastLoaded, RoutingPolicy
 from kvrelay.disagg.routing.prompt import PromptBlocks
@@ -55,7 +55,8 @@ class Backend:
     events: StreamAddress | None = None  # where it publishes KV events, when known (rank 0's)
     # Where its other data-parallel ranks publish, by rank (empty: one rank, or not known).
     rank_events: dict[int, StreamAddress] = field(default_factory=dict)
-    info: InstanceInfo | None = None  # what it said at join (GET /v1/models); None: not yet
+    engine: str | None = None  # "kvrelay", "vllm" or "unknown", once asked (routing/instances.py)
+    info: ModelCard | None = None  # what its GET /v1/models said at join (instance_info.py); None: not yet
 
     @property
     def index_keys(self) -> tuple[str, ...]:
@@ -79,8 +80,9 @@ def check_url(role: str, url: str) -> str:
 class BackendPool:
     """The prefill or the decode instances, and the policy that picks among the active ones."""
 
-    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None) -> None:
-        if not urls:
+    def __init__(self, name: str, urls: Sequence[str], policy: RoutingPolicy | None = None,
+                 allow_empty: bool = False) -> None:
+        if not urls and not allow_empty:
             raise ValueError(f"the {name} pool needs at least one backend URL")
         self.name = name
         self.policy = policy or LeastLoaded()

@@ -21,14 +21,14 @@ class TransferModeError(ValueError):
 
 
 @dataclass(frozen=True)
-class InstanceInfo:
+class ModelCard:
     max_model_len: int | None = None  # None: the instance does not say
     kv_connector: str | None = None  # None: no connector, or an instance that does not say (vLLM)
     transfer_mode: str | None = None  # "pull" | "push"; None: it moves no KV, or does not say
 
 
 async def fetch_instance_info(client: httpx.AsyncClient, url: str, headers: dict[str, str],
-                              timeout: float) -> InstanceInfo | None:
+                              timeout: float) -> ModelCard | None:
     """What the instance's GET /v1/models says (nothing, from an answer without a model card);
     None when it does not answer (yet)."""
     try:
@@ -41,17 +41,17 @@ async def fetch_instance_info(client: httpx.AsyncClient, url: str, headers: dict
         answer = None
     cards = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
-        return InstanceInfo()
+        return ModelCard()
     card: dict[str, Any] = cards[0]
     kv_transfer = card.get("kv_transfer")
     if not isinstance(kv_transfer, dict):
         kv_transfer = {}
-    return InstanceInfo(max_model_len=_int_or_none(card.get("max_model_len")),
+    return ModelCard(max_model_len=_int_or_none(card.get("max_model_len")),
                         kv_connector=_str_or_none(kv_transfer.get("kv_connector")),
                         transfer_mode=_str_or_none(kv_transfer.get("transfer_mode")))
 
 
-def mismatch(role: str, url: str, info: InstanceInfo, proxy_mode: str) -> str | None:
+def mismatch(role: str, url: str, info: ModelCard, proxy_mode: str) -> str | None:
     """"the <role> instance <url> runs <connector> (transfer mode <mode>)" when that mode is not
     the proxy's; None when it is, or when the instance does not say."""
     if info.transfer_mode is None or info.transfer_mode == proxy_mode:

@@ -11,9 +11,9 @@
                looks dead (kvrelay.disagg.health: bytes on its legs are proof of life). It comes
                back when it answers. A request that finds no active instance of a role asks
                the down ones again first (`choose`).
-    KV index   with a kv-aware policy, each instance's KV events are followed: where it
-               publishes comes from the admin API or, for kvrelay instances, from its
-               GET /kv_events; its index starts empty when it joins or comes back. An instance
+    KV index   with a kv-aware policy, each instance's KV events are followed: what it is (kvrelay,
+               vLLM) and where it publishes come from the instance itself (routing/instances.py)
+               or the admin API; its index starts empty when it joins or comes back. An instance
                with data-parallel ranks has a stream and an index entry per rank.
 """
 
@@ -25,7 +25,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -35,6 +34,7 @@ from kvrelay.disagg.health import CheckResult, DownCause, check_health, failure_
 from kvrelay.disagg.instance_info import TransferModeError, fetch_instance_info, mismatch, refusal
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.push_mode import check_push_config
+from kvrelay.disagg.routing.instances import discover
 from kvrelay.disagg.routing.kv_index import KVIndex, rank_key
 from kvrelay.disagg.routing.policies import Decision, create_policy
 from kvrelay.disagg.routing.prompt import PromptBlocks
@@ -49,9 +49,12 @@ class PoolManager:
         self.index = KVIndex(config.kv_index_stale_after) if config.kv_aware else None
         self.subscriber: KVEventSubscriber | None = None  # its thread starts with start()
         self.prefill = BackendPool("prefill", config.prefill_urls,
-                                   create_policy(config.prefill_routing, "prefill", self.index))
+                                   create_policy(config.prefill_routing, "prefill", self.index),
+                                   allow_empty=config.aggregated)
+        # NOTE: without P/D the decode instances compute the prompt: weighed as prefill ones are.
         self.decode = BackendPool("decode", config.decode_urls,
-                                  create_policy(config.decode_routing, "decode", self.index))
+                                  create_policy(config.decode_routing, "decode", self.index,
+                                                computes_prompt=config.aggregated))
         kv_addresses = check_push_config(config.transfer_mode, config.prefill_urls,
                                          config.prefill_kv_addresses)
         for backend in self.prefill.backends:
@@ -81,7 +84,7 @@ class PoolManager:
         await self.learn_instances()
         if self.index is not None and self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
-        silent = [b.url for b in self.members() if await self._track_index(b)]
+        silent = [b for b in self.members() if await self._track_index(b)]
         _say_no_events(silent)
         if self.config.health_interval > 0:
             self._tasks.append(asyncio.ensure_future(self._health_loop()))
@@ -118,7 +121,7 @@ class PoolManager:
         backend.info = info
         self._by_origin.clear()
         if await self._track_index(backend):
-            _say_no_events([url])
+            _say_no_events([backend])
         logger.info("%s instance %s joined the pool", role, url)
         return backend
 
@@ -260,7 +263,7 @@ class PoolManager:
                 backend.state = InstanceState.ACTIVE
                 logger.info("%s instance %s answers again: back in the pool", backend.role, backend.url)
                 if await self._track_index(backend):  # it may have restarted with an empty cache
-                    _say_no_events([backend.url])
+                    _say_no_events([backend])
             elif backend.events is None and self.index is not None:
                 await self._track_index(backend)  # it did not say where it publishes: ask again
             return
@@ -288,20 +291,26 @@ class PoolManager:
     # ------------------------------------------------------------------ KV events
 
     async def _track_index(self, backend: Backend) -> bool:
-        """Start the instance's index empty and follow its events (asking where it publishes
-        if nobody said so). True when it was just found to publish none (the caller says so)."""
+        """Start the instance's index empty and follow its events (asking the instance what
+        it is, and where it publishes if nobody said so). True when it was just found to
+        publish none (the caller says so: _say_no_events)."""
         if self.index is None or self.subscriber is None:
             return False
-        block_size = None
+        found = await discover(self.connections.checks, backend.url, self._auth_headers(),
+                               self.config.health_timeout, self.config.hash_settings)
+        backend.engine = found.engine
+        asked_before = self.index.status(backend.url).reason == "no events endpoint"
         if backend.events is None:
-            backend.events, block_size, backend.rank_events = await self._discover_events(backend.url)
-            if backend.events is None and self.index.status(backend.url).reason == "no events endpoint":
+            backend.events, backend.rank_events = found.events, found.rank_events
+            if backend.events is None and asked_before:
                 return False  # asked before, still nothing: keep the entry (and the log quiet)
-        self.index.track(backend.url, subscribed=backend.events is not None, block_size=block_size)
+        self.index.track(backend.url, subscribed=backend.events is not None, block_size=found.block_size,
+                         schemes=found.schemes)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
         for dp_rank, address in backend.rank_events.items():  # (instance, rank): one entry each
-            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=block_size)
+            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=found.block_size,
+                             schemes=found.schemes)
             self.subscriber.add(rank_key(backend.url, dp_rank), address)
         return backend.events is None
 
@@ -310,28 +319,6 @@ class PoolManager:
             for key in backend.index_keys:
                 self.subscriber.remove(key)
                 self.index.forget(key)
-
-    async def _discover_events(self, url: str
-                               ) -> tuple[StreamAddress | None, int | None, dict[int, StreamAddress]]:
-        """Where a kvrelay instance publishes (GET /kv_events), its block size, and where its
-        data-parallel ranks above 0 publish, if it has some; (None, None, {}) if it does not say."""
-        try:
-            response = await self.connections.checks.get(
-                url + "/kv_events", timeout=self.config.health_timeout, headers=self._auth_headers())
-            answer = response.json() if response.status_code == 200 else {}
-        except (httpx.HTTPError, ValueError):
-            answer = {}
-        if not isinstance(answer, dict) or not answer.get("enabled") or not answer.get("endpoint"):
-            return None, None, {}  # the caller says so (_say_no_events)
-        host = urlsplit(url).hostname or "127.0.0.1"
-        topic = answer.get("topic") or ""
-        replay = answer.get("replay_endpoint")
-        address = StreamAddress(connectable(answer["endpoint"], host),
-                                connectable(replay, host) if replay else None, topic)
-        block_size = answer.get("block_size")
-        ranks = _rank_streams(answer.get("ranks"), host, topic)
-        return (address, block_size if isinstance(block_size, int) else None,
-                {rank: stream for rank, stream in ranks.items() if stream.endpoint != address.endpoint})
 
     # ------------------------------------------------------------------ helpers
 
@@ -354,7 +341,10 @@ class PoolManager:
         if self.index is not None:
             status = self.index.status(backend.url)
             report["kv_index"] = {"usable": status.usable, "reason": status.reason, "blocks": status.blocks,
-                                  "resets": status.resets}
+                                  "resets": status.resets, "hash_scheme": status.scheme,
+                                  "hashes": status.hashes}
+        if backend.engine is not None:
+            report["engine"] = backend.engine
         if backend.events is not None:
             report["kv_events"] = {"endpoint": backend.events.endpoint,
                                    "replay_endpoint": backend.events.replay_endpoint,
@@ -370,38 +360,13 @@ async def check_instances(config: ProxyConfig) -> None:
         await PoolManager(config).learn_instances(client)
 
 
-def _say_no_events(urls: list[str]) -> None:
+def _say_no_events(backends: list[Backend]) -> None:
     """One line for every instance found to publish no KV events, with what turns them on."""
-    if not urls:
+    if not backends:
         return
-    logger.info("kv-aware routing weighs %s by load alone: %s no KV events (GET /kv_events). To route "
-                "by cached prefix, start each `kvrelay serve` with --kv-events-config "
-                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:PORT\"}' (a free PORT each); a "
-                "vLLM instance needs the same flag and its endpoint given to the admin API (docs/routing.md)",
-                ", ".join(urls),
-                "it publishes" if len(urls) == 1 else "they publish")
-
-
-def _rank_streams(ranks: Any, host: str, topic: str) -> dict[int, StreamAddress]:
-    """The streams of an instance's data-parallel ranks above 0, from its /kv_events "ranks"
-    (the caller drops the one it follows as the instance's own: a rank served alone)."""
-    streams: dict[int, StreamAddress] = {}
-    for entry in ranks if isinstance(ranks, list) else []:
-        if not isinstance(entry, dict):
-            continue
-        dp_rank, endpoint, replay = entry.get("dp_rank"), entry.get("endpoint"), entry.get("replay_endpoint")
-        if isinstance(dp_rank, int) and dp_rank > 0 and isinstance(endpoint, str):
-            replay_address = connectable(replay, host) if isinstance(replay, str) else None
-            streams[dp_rank] = StreamAddress(connectable(endpoint, host), replay_address, topic)
-    return streams
-
-
-def connectable(endpoint: str, host: str) -> str:
-    """A bound ZeroMQ address as a peer connects to it: a wildcard host becomes `host`."""
-    scheme, sep, rest = endpoint.partition("://")
-    if scheme != "tcp" or not sep:
-        return endpoint
-    bound_host, colon, port = rest.rpartition(":")
-    if bound_host in ("*", "0.0.0.0", "[::]", "::"):
-        return f"tcp://{host}{colon}{port}"
-    return endpoint
+    named = ", ".join(f"{b.url} ({b.engine})" if b.engine else b.url for b in backends)
+    logger.info("kv-aware routing weighs %s by load alone: %s no KV events. To route by cached prefix, "
+                "start each instance (`kvrelay serve`, or vLLM) with --kv-events-config "
+                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:PORT\"}' (a free PORT each); "
+                "another engine's endpoint is given to the admin API (docs/routing.md)",
+                named, "it publishes" if len(backends) == 1 else "they publish")

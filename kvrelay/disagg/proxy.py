@@ -31,7 +31,9 @@ D. A leg that went out on a stale keep-alive connection is sent again on a fresh
 (connections.py), and a request that finds every instance of a role down asks them again before
 giving up on it.
 
-The field names are vLLM's, so the proxy also fronts vLLM instances.
+The field names are vLLM's, so the proxy also fronts vLLM instances (routed by their own KV
+events: docs/routing.md). With no prefill instance there is no P/D: each request goes whole to
+one decode instance, chosen as a prefill leg would be (it computes the prompt).
 """
 
 from __future__ import annotations
@@ -204,7 +206,10 @@ class DisaggProxy:
     async def prefill_or_push(self, route: str, body: dict[str, Any], request_id: str,
                               headers: dict[str, str], prompt: PromptBlocks) -> Prefilled:
         """D's kv_transfer_params: after P's answer (pull), or at once with P's leg started
-        beside D's (push: D's leg goes out first, when the caller opens it)."""
+        beside D's (push: D's leg goes out first, when the caller opens it). Without P/D (no
+        prefill pool) D computes the prompt: no prefill leg, and no fallback either."""
+        if self.config.aggregated:
+            return Prefilled(None)
         try:
             decision = await self.manager.choose("prefill", prompt)
         except NoInstanceError as e:
@@ -241,10 +246,12 @@ class DisaggProxy:
             self.decode.start_leg(decision)
             if source is not None:
                 source.readers += 1
+            if self.config.aggregated and self.manager.index is not None:
+                self.manager.index.expect(decision.backend.url, request_id, prompt)  # D computes it
             try:
                 upstream = await self.post(decision.backend.url + route, body, headers, stream=True)
             except httpx.TransportError as e:
-                self._end_decode(decision, source, "error")
+                self._end_decode(decision, source, "error", request_id)
                 self.metrics.errors.labels(kind="decode_unreachable").inc()
                 logger.warning("request %s: decode leg to %s failed: %r", request_id, decision.backend.url, e)
                 if not isinstance(e, httpx.ConnectError):
@@ -281,9 +288,14 @@ class DisaggProxy:
         # NOTE: shielded, because a cancelled scope would otherwise abort the close itself.
         with anyio.CancelScope(shield=True):
             await leg.upstream.aclose()
-        self._end_decode(leg.decision, leg.source, outcome)
+        request_id = leg.upstream.request.headers.get(REQUEST_ID_HEADER)
+        self._end_decode(leg.decision, leg.source, outcome, request_id)
 
-    def _end_decode(self, decision: Decision, source: Backend | None, outcome: str) -> None:
+    def _end_decode(self, decision: Decision, source: Backend | None, outcome: str,
+                    request_id: str | None = None) -> None:
+        if self.config.aggregated and self.manager.index is not None and request_id is not None:
+            # NOTE: no usage to check the events against (a stream's comes last, if asked for).
+            self.manager.index.settle(decision.backend.url, request_id, 0.0, None, None)
         self.decode.end_leg(decision)
         if source is not None:
             source.readers -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvrelay.disagg.routing.hash_schemes import VLLM_HASH_ALGOS
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 from kvrelay.utils import busy_port_error
 
@@ -32,8 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "proxy", help="split requests into a prefill leg (P) and a decode leg (D)",
         description="An OpenAI-compatible proxy: each request is prefilled on a P instance, then "
                     "decoded on a D instance that takes over its KV cache.")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="prefill instances, e.g. http://127.0.0.1:8100")
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL",
+                   help="prefill instances, e.g. http://127.0.0.1:8100 (none: no P/D, each request goes "
+                        "whole to one --decode instance)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -55,6 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--chat-template", default=None,
                    help="kv-aware routing: the --chat-template the instances run (a file, or the template), "
                         "so the proxy renders chat prompts as they do")
+    p.add_argument("--vllm-prefix-caching-hash-algo", choices=VLLM_HASH_ALGOS, default=None,
+                   help="kv-aware routing: the --prefix-caching-hash-algo of the vLLM instances (default: "
+                        "found from their KV events; sha256 is vLLM's default)")
+    p.add_argument("--vllm-pythonhashseed", default=None, metavar="SEED",
+                   help="kv-aware routing: the PYTHONHASHSEED the vLLM instances run with, if set (it seeds "
+                        "their block hashes; without it the proxy cannot reproduce them)")
     p.add_argument("--admin-key", default=None,
                    help="turn the admin API on (/admin/instances: add and drain instances) with this key "
                         "(default: env KVRELAY_ADMIN_KEY; unset: the admin API is off)")
@@ -93,7 +101,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          prefill_routing=prefill_routing, decode_routing=decode_routing, model=args.model,
                          tokenizer=tokenizer,
                          admin_key=args.admin_key or env.admin_key(), health_interval=args.health_interval,
-                         keepalive_expiry=args.keepalive_expiry)
+                         keepalive_expiry=args.keepalive_expiry,
+                         vllm_prefix_caching_hash_algo=args.vllm_prefix_caching_hash_algo,
+                         vllm_pythonhashseed=args.vllm_pythonhashseed)
     asyncio.run(check_instances(config))  # another transfer mode: one line, exit 2
     app: Any = build_app(config)
     if client_key is not None:
@@ -101,7 +111,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         app = RequireAPIKey(app, client_key)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {' '.join(args.prefill)}  "
+    prefill = " ".join(args.prefill) or "none (no P/D)"
+    print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {prefill}  "
           f"decode: {' '.join(args.decode)}  routing: prefill {prefill_routing}, decode {decode_routing}"
           f"{'  admin API on' if config.admin_key else ''}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

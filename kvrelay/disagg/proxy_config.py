@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.disagg.connections import KEEPALIVE_EXPIRY_S, SERVER_KEEP_ALIVE_S
+from kvrelay.disagg.routing.instances import HashSettings
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
+    # No prefill URL: no P/D, each request goes whole to one of the decode URLs (aggregated).
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     api_key: str | None = None  # sent to the backends as `Authorization: Bearer`
@@ -34,6 +36,9 @@ class ProxyConfig:
     model: str | None = None
     tokenizer: Any = None
     kv_index_stale_after: float = 5.0  # seconds a prefill's stores may take to be published
+    # How the vLLM instances hash blocks, when the proxy is told (None: found from their events).
+    vllm_prefix_caching_hash_algo: str | None = None
+    vllm_pythonhashseed: str | None = None
     # Membership: the admin API's key (None: the admin API is off), and the health checks.
     admin_key: str | None = None
     health_interval: float = 2.0  # seconds between two checks of every instance (0: no checks)
@@ -50,6 +55,18 @@ class ProxyConfig:
                              f"timeout, {SERVER_KEEP_ALIVE_S:g} s by default), got {self.keepalive_expiry}")
         if self.health_timeouts_to_drop < 1:
             raise ValueError(f"health_timeouts_to_drop must be >= 1, got {self.health_timeouts_to_drop}")
+        if self.aggregated and self.transfer_mode != "pull":
+            raise ValueError("push mode needs prefill instances (give at least one prefill URL)")
+        self.hash_settings.vllm_schemes()  # an unknown algorithm, or xxhash missing: refused now
+
+    @property
+    def aggregated(self) -> bool:
+        """No prefill pool: each request goes whole to one instance, no P/D."""
+        return not self.prefill_urls
+
+    @property
+    def hash_settings(self) -> HashSettings:
+        return HashSettings(self.vllm_prefix_caching_hash_algo, self.vllm_pythonhashseed)
 
     @property
     def kv_aware(self) -> bool:

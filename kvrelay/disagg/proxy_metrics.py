@@ -12,6 +12,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kvrelay.disagg.routing.kv_index import HASHES_NOT_REPRODUCIBLE
 from kvrelay.metrics.prometheus import new_registry
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ class ProxyMetrics:
     kvrelay_proxy_prefix_predictions_total{outcome}    per prefill leg: exact | over | under
     kvrelay_proxy_pool_instances{role, state}          members by role and state
     kvrelay_proxy_kv_index_usable{backend}             1 while kv-aware routing trusts its index
+    kvrelay_proxy_kv_hashes_reproducible{backend, scheme}  1 while the proxy computes the instance's
+                                                       block hashes (its scheme: kvrelay, vllm sha256,
+                                                       ...), 0 once its events matched none
     kvrelay_proxy_kv_index_seconds_since_event{backend}  age of its newest KV event batch
     kvrelay_proxy_kv_index_blocks{backend, medium}     blocks its index holds
     kvrelay_proxy_kv_events_batches_total{backend}     event batches received
@@ -137,6 +141,9 @@ class PoolCollector(Collector):
         assert index is not None and subscriber is not None
         usable = GaugeMetricFamily("kvrelay_proxy_kv_index_usable",
                                    "1 while kv-aware routing trusts the instance's index", labels=["backend"])
+        reproducible = GaugeMetricFamily("kvrelay_proxy_kv_hashes_reproducible",
+                                         "1 while the proxy computes the instance's block hashes",
+                                         labels=["backend", "scheme"])
         age = GaugeMetricFamily("kvrelay_proxy_kv_index_seconds_since_event",
                                 "Seconds since the instance's newest KV event batch", labels=["backend"])
         blocks = GaugeMetricFamily("kvrelay_proxy_kv_index_blocks", "Blocks the index holds",
@@ -152,6 +159,8 @@ class PoolCollector(Collector):
         for backend in self.manager.members():
             status = index.status(backend.url)
             usable.add_metric([backend.url], 1.0 if status.usable else 0.0)
+            reproducible.add_metric([backend.url, status.scheme],
+                                    0.0 if status.hashes == HASHES_NOT_REPRODUCIBLE else 1.0)
             for medium, count in status.blocks.items():
                 blocks.add_metric([backend.url, medium], count)
             resets.add_metric([backend.url], status.resets)
@@ -161,4 +170,4 @@ class PoolCollector(Collector):
                 lost.add_metric([backend.url], stream.lost)
                 if stream.last_batch_at is not None:
                     age.add_metric([backend.url], now - stream.last_batch_at)
-        yield from (usable, age, blocks, batches, lost, resets)
+        yield from (usable, reproducible, age, blocks, batches, lost, resets)

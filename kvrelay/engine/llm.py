@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from kvrelay import env
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, parse_size
 from kvrelay.engine.llm_engine import LLMEngine, PromptType
 from kvrelay.kv_events.config import KVEventsConfig
@@ -22,7 +23,7 @@ class LLM:
         gpu_memory_utilization=0.9, kv_cache_dtype="auto", max_num_seqs=64, max_num_batched_tokens=2048,
         max_model_len=None, enable_prefix_caching=True, seed=0, kv_transfer_config=None,
         tensor_parallel_size=1, distributed_executor_backend=None, enforce_eager=False,
-        attention_backend="auto", kv_events_config=None, chat_template=None)
+        attention_backend="auto", kv_events_config=None, chat_template=None, batch_invariant=None)
     `model=None` is the embedded SmolLM2-135M-Instruct. `device`: auto (a GPU when one is visible,
     else the CPU), cpu, cuda or cuda:N. `dtype="auto"`: float32 on the CPU, the checkpoint's dtype
     on a GPU. `kv_cache_memory` (bytes, or "1GiB"): None is 512MiB on the CPU; on a GPU the cache
@@ -31,6 +32,8 @@ class LLM:
     (kvrelay/attention/kv_format.py). `enforce_eager`: no CUDA graphs. `attention_backend`: auto,
     cpu, torch or triton (kvrelay/config.py). `kv_events_config`: vLLM's KV events (docs/routing.md).
     `chat_template`: a Jinja template (its text) that `chat` uses instead of the model's own.
+    `batch_invariant`: a request's logprobs bitwise the same whatever it is batched with
+    (docs/batch_invariance.md); None: `KVRELAY_BATCH_INVARIANT`, else off.
     """
 
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
@@ -42,7 +45,8 @@ class LLM:
                  seed: int = 0, kv_transfer_config: Any = None, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, enforce_eager: bool = False,
                  attention_backend: str = "auto", loaded_model: LoadedModel | None = None,
-                 kv_events_config: Any = None, chat_template: str | None = None) -> None:
+                 kv_events_config: Any = None, chat_template: str | None = None,
+                 batch_invariant: bool | None = None) -> None:
         kv_transfer = None
         if kv_transfer_config is not None:
             from kvrelay.kv_transfer.config import KVTransferConfig
@@ -50,7 +54,9 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               seed=seed, enforce_eager=enforce_eager, attention_backend=attention_backend,
-                              chat_template=chat_template),
+                              chat_template=chat_template,
+                              batch_invariant=(env.batch_invariant() if batch_invariant is None
+                                               else batch_invariant)),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=_bytes_or_none(kv_cache_memory),
                               gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching,

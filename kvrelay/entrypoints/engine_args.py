@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kvrelay import env
 from kvrelay.config import (
     ATTENTION_BACKENDS,
     CacheConfig,
@@ -69,6 +70,7 @@ class EngineArgs:
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
     chat_template: str | None = None  # a file, or the template itself
+    batch_invariant: bool | None = None  # None (not given): KVRELAY_BATCH_INVARIANT decides, else off
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -90,7 +92,9 @@ class EngineArgs:
                                 max_model_len=self.max_model_len, seed=self.seed,
                                 served_model_name=self.served_model_name, enforce_eager=self.enforce_eager,
                                 attention_backend=self.attention_backend,
-                                chat_template=self.chat_template_text())
+                                chat_template=self.chat_template_text(),
+                                batch_invariant=(env.batch_invariant() if self.batch_invariant is None
+                                                 else self.batch_invariant))
             kv_cache_memory = None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory,
                                                                                     "kv_cache_memory")
             cache = CacheConfig(block_size=self.block_size, kv_cache_memory=kv_cache_memory,
@@ -145,7 +149,8 @@ class EngineArgs:
         names = ("model", "device", "dtype", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                  "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed",
                  "tensor_parallel_size", "distributed_executor_backend", "enforce_eager",
-                 "attention_backend", "kv_transfer_config", "kv_events_config", "enable_prefix_caching")
+                 "attention_backend", "kv_transfer_config", "kv_events_config", "enable_prefix_caching",
+                 "batch_invariant")
         return {**{name: getattr(self, name) for name in names}, "chat_template": self.chat_template_text()}
 
     def chat_template_text(self) -> str | None:
@@ -254,6 +259,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                switch=True, negatable=True, commands=ENGINE_COMMANDS - {"profile"}),
     EngineFlag("chat_template", "a Jinja chat template used instead of the model's own: a file, or the "
                                 "template itself (vLLM's flag)", commands=ENGINE_COMMANDS - {"profile"}),
+    EngineFlag("batch_invariant", "batch-invariant mode: a request's logprobs are bitwise the same whatever "
+                                  "it is batched with, however its prompt is chunked or loaded, alone or "
+                                  "through P/D (costs speed; docs/batch_invariance.md). Env: "
+                                  "KVRELAY_BATCH_INVARIANT=1", switch=True),
 )
 _FLAG_OF_DEST = {flag.dest: flag for flag in ENGINE_FLAGS}
 

@@ -414,6 +414,41 @@ def active_kernels(arch: str | None = None) -> str:
             + (f"; torch for {', '.join(inactive)}" if inactive else ""))
 
 
+def numerics_target(arch: str | None = None) -> str:
+    """What decides the native kernels' bits on this machine, for the batch-invariant mode's
+    compatibility digest: the reductions' lanes and fused multiply-adds of the build for `arch`
+    (default `KVRELAY_NATIVE_ARCH`), the compiler, and a digest of the kernels' sources, e.g.
+    "16-lane fma; cc (Debian 14.2.0-19) 14.2.0; src 3f2a9c1b". Raises KernelUnavailable when a
+    kernel cannot be had (the mode has no other route on the CPU)."""
+    arch = arch or env.native_arch()
+    if not env.native_kernels():
+        raise KernelUnavailable("KVRELAY_NATIVE_KERNELS=0")
+    targets = {ctypes_target(build_kernel(name, arch)) for name in KERNELS}
+    sources = hashlib.sha256(b"".join(Path(__file__).with_name(f"{name}.c").read_bytes() for name in KERNELS)
+                             + _HEADER.read_bytes()).hexdigest()[:8]
+    return f"{'/'.join(sorted(targets))}; {_compiler_version()}; src {sources}"
+
+
+def ctypes_target(library_path: Path) -> str:
+    """`kvrelay_simd_target()` of a built library."""
+    fn = ctypes.CDLL(str(library_path)).kvrelay_simd_target
+    fn.restype = ctypes.c_char_p
+    return bytes(fn()).decode()
+
+
+@functools.cache
+def _compiler_version() -> str:
+    compiler = c_compiler()
+    if compiler is None:
+        return "no compiler"
+    try:
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{compiler[0]} (version unknown: {exc})"
+    lines = done.stdout.strip().splitlines()
+    return lines[0] if lines else compiler[0]
+
+
 def log_active_kernels(device: torch.device) -> None:
     """Logs `active_kernels()` once per process (and per answer) when the model runs on the CPU."""
     if device.type == "cpu":

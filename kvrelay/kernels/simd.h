@@ -37,6 +37,20 @@ typedef float vf4 __attribute__((vector_size(16), aligned(4)));
 /* Which variant this library is, for kvrelay/kernels/native.py's start-up log: floats per vector. */
 __attribute__((visibility("default"))) int kvrelay_vector_floats(void) { return VLEN; }
 
+/* What decides the bits of a reduction here, for the compatibility digest of the batch-invariant
+ * mode (kvrelay/worker/batch_invariance.py): the lanes each sum is spread over, and whether
+ * `a += x * y` is one fused multiply-add (one rounding) or two operations. */
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#define KVRELAY_FMA_NAME "fma"
+#else
+#define KVRELAY_FMA_NAME "no-fma"
+#endif
+#define KVRELAY_STRINGIFY2(x) #x
+#define KVRELAY_STRINGIFY(x) KVRELAY_STRINGIFY2(x)
+__attribute__((visibility("default"))) const char *kvrelay_simd_target(void) {
+    return KVRELAY_STRINGIFY(VLEN) "-lane " KVRELAY_FMA_NAME;
+}
+
 /* Pins a vector to a register at this point: without it the compiler may fold the vector's load
  * into each arithmetic instruction that uses it (one load per use instead of one). */
 #if defined(__x86_64__) || defined(__i386__)

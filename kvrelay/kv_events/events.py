@@ -13,8 +13,11 @@ vllm-project/vllm#42892; fields with a default are left out while they hold it.)
 
 Block hashes are the engine's own chained hashes (kvrelay.core.block_hash): 32-byte digests,
 msgpack `bin`. vLLM's `ExternalBlockHash` is `bytes | int`, so a vLLM subscriber takes them as
-they are. `medium` names where the blocks live: "GPU" for an instance's own KV cache (vLLM's
-name for the engine's cache, whatever the device), "CPU", "DISK", ... for offload tiers.
+they are; vLLM itself publishes integers by default (a digest's last 8 bytes), which this
+module decodes too (the proxy follows vLLM instances).
+
+`medium` names where the blocks live: "GPU" for an instance's own KV cache (vLLM's name for the
+engine's cache, whatever the device), "CPU", "DISK", ... for offload tiers.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None
+    ownership: str | None = None  # vLLM: the secondary offload tier that stored it
+    session_id: str | None = None  # vLLM: the session of the request that stored it
 
 
 class BlockRemoved(KVCacheEvent):
@@ -62,6 +67,7 @@ class BlockRemoved(KVCacheEvent):
     medium: str | None
     group_idx: int | None = None
     locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -15,6 +15,8 @@ hands the sink every batch exactly once and in sequence order, and says so when 
 A subscriber that starts, or whose connection comes back, asks for a replay from sequence 0, so
 it rebuilds what the instance published before, as far back as the replay buffer reaches. While
 a replay runs the live socket is not read: ZeroMQ holds those messages, which keeps the order.
+Publishers of both shapes are followed: kvrelay's, and vLLM's (`--kv-events-config`, whose
+replay replies carry the topic as an extra frame).
 """
 
 from __future__ import annotations
@@ -297,14 +299,15 @@ class KVEventSubscriber:
                 frames = stream.replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[1]) != 8:
+            reply = _replay_reply(frames)
+            if reply is None:
                 continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
+            seq, payload = reply
             if seq < 0:  # the end marker
                 self._finish_replay(stream)
                 return
             expected = stream.replay_from if stream.last_seq is None else stream.last_seq + 1
-            self._deliver(stream, seq, frames[2], expected)
+            self._deliver(stream, seq, payload, expected)
 
     def _finish_replay(self, stream: _Stream) -> None:
         stream.replay_from = None
@@ -326,3 +329,13 @@ class KVEventSubscriber:
             self._poller.unregister(stream.replay)
             stream.replay.close(linger=0)
             stream.replay = None
+
+
+def _replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replay reply: `[b"", seq, payload]` (kvrelay, older vLLM) or
+    `[b"", topic, seq, payload]` (vLLM 0.32 repeats the topic); the end marker has seq -1."""
+    if len(frames) == 4:
+        frames = [frames[0], frames[2], frames[3]]
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big", signed=True), frames[2]

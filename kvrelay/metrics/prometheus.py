@@ -40,6 +40,10 @@ _COUNTERS = {
     "kvrelay_kv_transfer_bytes": ("kv_transfer_bytes", "KV cache bytes moved by the connector."),
     "kvrelay_kv_transfer_failures": ("kv_transfer_failures", "Failed KV loads and saves."),
     "kvrelay_kv_lease_expired": ("kv_lease_expired", "Held KV blocks freed because their lease expired."),
+    "kvrelay_kv_transfer_incompatible": (
+        "kv_transfer_incompatible", "KV handshakes refused because the peer's KV cannot be used here "
+                                    "(another model, KV format, layout or numerics, named in the log); "
+                                    "D recomputed."),
     "kvrelay_kv_load_failures": ("kv_load_failures", "Requests whose KV load failed (recomputed or failed)."),
     "kvrelay_num_preemptions": ("num_preemptions", "Requests preempted for lack of KV blocks."),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,17 +12,28 @@ from torch import nn
 
 from kvrelay.kernels.native import elementwise_kernels, linear_kernel
 
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) -> normed x
+MatMul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]  # (x, weight, bias)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
+
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension."""
+    """y = weight * x / sqrt(mean(x^2) + eps) over the last dimension.
+
+    `norm` is the route of `forward` (torch's fused kernel; the batch-invariant mode sets
+    `invariant_rms_norm`); `add_and_norm` is the native kernel on the CPU in float32 either way."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.norm: Norm = torch_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        return self.norm(x, self.weight, self.eps)
 
     def add_and_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += h, in place (the residual stream moves on), and return the norm of the sum.
@@ -106,10 +118,15 @@ def linear_route_starts() -> tuple[int, ...]:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose forward is `linear` above."""
+    """nn.Linear whose forward is `matmul`: `linear` above (the batch-invariant mode sets
+    `invariant_linear`, kvrelay/model/invariant.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul: MatMul = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class GatedMLP(nn.Module):
@@ -164,16 +181,21 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Ten
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (GPT-NeoX style) rope. `cos_sin` runs once per step; `apply_rotary` once per layer."""
+    """Rotate-half (GPT-NeoX style) rope. `cos_sin` runs once per step; `apply_rotary` once per layer.
+    `table`, when set (the batch-invariant mode: kvrelay/model/invariant.py's RotaryTable), serves
+    `cos_sin` from values computed once per position."""
 
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> None:
         super().__init__()
         # A plain attribute, not a buffer: `module.to(dtype)` must not round it to low precision.
         self.inv_freq = rope_inverse_frequencies(head_dim, theta, rope_scaling)  # [D/2] float32
+        self.table: Any = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos [T, 1, D] and a signed sin [T, 1, D] (-sin on the first half),
         broadcastable over heads, so that rotating is x * cos + swap_halves(x) * sin."""
+        if self.table is not None:
+            return self.table.cos_sin(positions, dtype)  # type: ignore[no-any-return]
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         cos = torch.cat((cos, cos), dim=-1).to(dtype)  # [T, D]

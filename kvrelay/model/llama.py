@@ -15,7 +15,7 @@ from torch import nn
 
 from kvrelay.attention.layer import Attention
 from kvrelay.distributed.parallel_state import TensorParallelGroup
-from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary_, linear
+from kvrelay.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary_
 from kvrelay.model.sharding import shard_layout, shard_spec, shard_weights
 from kvrelay.model.spec import ModelSpec
 from kvrelay.utils import cdiv
@@ -142,13 +142,13 @@ class CausalLM(nn.Module):
         at 64 (`benchmarks/bench_tp.py --rows vocab`); decode samples few rows a step. The
         embedding stays replicated: a lookup took a third to a ninth of a vocab-parallel one's
         time (which needs an all-reduce)."""
-        tp, weight = self.tp, self.lm_head.weight
+        tp, weight, matmul = self.tp, self.lm_head.weight, self.lm_head.matmul
         if tp.size == 1:
-            return linear(hidden, weight).float()
+            return matmul(hidden, weight, None).float()
         vocab = weight.shape[0]
         share = cdiv(vocab, tp.size)
         lo, hi = min(vocab, tp.rank * share), min(vocab, (tp.rank + 1) * share)
-        local = linear(hidden, weight[lo:hi]).float()  # [N, hi - lo]
+        local = matmul(hidden, weight[lo:hi], None).float()  # [N, hi - lo]
         if hi - lo < share:  # the last rank's share is short when vocab % tp != 0
             local = torch.nn.functional.pad(local, (0, share - (hi - lo)))
         logits = tp.gather_to_first(local)  # [N, tp * share] on rank 0

@@ -14,6 +14,8 @@ from kvrelay.config import EngineConfig
 from kvrelay.kv_transfer.compat import compat_fingerprint
 from kvrelay.model.llama import build_model
 from kvrelay.model.spec import ModelSpec
+from kvrelay.worker.batch_invariance import numerics
+from kvrelay.worker.batch_invariance import prepare as prepare_batch_invariance
 from kvrelay.worker.kv_calibration import calibrate_kv_scales, scales_digest
 
 _SAMPLE = 64  # elements per parameter in the weights fingerprint
@@ -30,7 +32,9 @@ class KVSetup:
 def build_kv_setup(config: EngineConfig, spec: ModelSpec, weights: Mapping[str, torch.Tensor],
                    dtype: torch.dtype, device: torch.device) -> KVSetup:
     """`spec` and `weights` are the whole model's (before any tensor-parallel sharding), so every
-    instance of one checkpoint, whatever its TP size, derives the same fingerprint and scales."""
+    instance of one checkpoint, whatever its TP size, derives the same fingerprint and scales.
+    The batch-invariant mode is checked and set up first: before the calibration's matmuls."""
+    prepare_batch_invariance(config, spec)
     fmt = resolve_kv_format(config.cache.cache_dtype, config.model.dtype)
     if fmt.is_fp8 and spec.is_mla:
         raise ValueError(f"kv_cache_dtype {fmt.name} is not available for {spec.architecture}'s latent KV "
@@ -43,7 +47,7 @@ def build_kv_setup(config: EngineConfig, spec: ModelSpec, weights: Mapping[str, 
     fingerprint = compat_fingerprint(
         model=model_fingerprint(spec, weights), kv_cache_dtype=fmt.name, kv_scales=policy,
         layout=kv_layout(spec), block_size=config.cache.block_size, head_size=spec.head_dim,
-        num_kv_heads=spec.num_kv_heads)
+        num_kv_heads=spec.num_kv_heads, numerics=numerics(config))
     per_layer = spec.head_dim if spec.is_mla else 2 * spec.num_kv_heads * spec.head_dim
     bytes_per_token = spec.num_layers * per_layer * fmt.element_size
     return KVSetup(fmt, scales, fingerprint, bytes_per_token)

@@ -29,6 +29,7 @@ from kvrelay.attention.metadata import StepBatch
 from kvrelay.core.sched_output import SchedulerOutput
 from kvrelay.kernels.native import log_active_kernels
 from kvrelay.kv_transfer.protocols import NULL_WORKER_CONNECTOR, WorkerConnector
+from kvrelay.model.invariant import make_batch_invariant
 from kvrelay.model.llama import CausalLM
 from kvrelay.model.sampler import Sampler, SamplingRow
 from kvrelay.model.spec import ModelSpec
@@ -72,10 +73,12 @@ class ModelRunner:
                  seed: int | None = None, eos_token_ids: tuple[int, ...] = (),
                  connector: WorkerConnector = NULL_WORKER_CONNECTOR, kv_scales: torch.Tensor | None = None,
                  attention_backend: str = "auto", enforce_eager: bool = False,
-                 max_num_seqs: int = 64) -> None:
+                 max_num_seqs: int = 64, batch_invariant: bool = False) -> None:
         """`dtype`: the KV cache format (kvrelay/attention/kv_format.py: float32, bfloat16, float16,
         fp8_e4m3, fp8_e5m2), whatever the weights' dtype; fp8 needs `kv_scales` [num_layers, 2,
-        num_kv_heads] of this rank's KV heads (kvrelay/worker/kv_calibration.py)."""
+        num_kv_heads] of this rank's KV heads (kvrelay/worker/kv_calibration.py).
+        `batch_invariant`: the model and attention take their batch-invariant routes when the
+        cache is set up (kvrelay/worker/batch_invariance.py)."""
         self.model = model
         self.spec = spec
         self.block_size = block_size
@@ -91,6 +94,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.enforce_eager = enforce_eager
         self.max_num_seqs = max_num_seqs
+        self.batch_invariant = batch_invariant
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.staging = InputStaging(device)
         self.backend: AttentionBackend | None = None
@@ -104,13 +108,15 @@ class ModelRunner:
         with the connector and, on a GPU, capture the decode graphs."""
         spec = self.spec
         self.backend = select_backend(self.attention_backend, self.device, spec.num_kv_heads, spec.head_dim,
-                                      max_model_len, latent=spec.is_mla)
+                                      max_model_len, latent=spec.is_mla, batch_invariant=self.batch_invariant)
+        if self.batch_invariant:
+            make_batch_invariant(self.model, max_model_len)
         self.kv_caches = self._allocate_kv_caches(num_blocks, self.kv_format.torch_dtype)
         self.requests = RequestTable(self.block_size, cdiv(max_model_len, self.block_size),
                                      self.eos_token_ids, self.device, capacity=self.max_num_seqs)
         log_active_kernels(self.device)  # which native CPU kernels serve this model, once per process
-        logger.info("attention backend %s on %s, %d KV blocks of %d tokens", self.backend.name, self.device,
-                    num_blocks, self.block_size)
+        logger.info("attention backend %s on %s, %d KV blocks of %d tokens%s", self.backend.name, self.device,
+                    num_blocks, self.block_size, ", batch-invariant" if self.batch_invariant else "")
         self.connector.register_kv_caches(self.kv_caches)
         if self.captures_graphs:
             self._capture_graphs(max_model_len)
@@ -246,7 +252,8 @@ class ModelRunner:
             tables.append(list(range(first, first + cdiv(n, self.block_size))))
             first += cdiv(n, self.block_size)
         self.backend = select_backend(self.attention_backend, self.device, self.spec.num_kv_heads,
-                                      self.spec.head_dim, max(lens), latent=self.spec.is_mla)
+                                      self.spec.head_dim, max(lens), latent=self.spec.is_mla,
+                                      batch_invariant=self.batch_invariant)
         saved = self.kv_caches
         try:
             self.kv_caches = self._allocate_kv_caches(first, self.kv_format.torch_dtype)

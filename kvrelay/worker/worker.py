@@ -21,6 +21,7 @@ from kvrelay.model.llama import build_model
 from kvrelay.model.sharding import shard_layout
 from kvrelay.model.spec import ModelSpec
 from kvrelay.outputs import ModelRunnerOutput
+from kvrelay.worker.batch_invariance import configure_cuda
 from kvrelay.worker.kv_setup import KVSetup
 from kvrelay.worker.memory import GpuMemory, host_staging_bound, kv_cache_bytes, measure_gpu_kv_budget
 from kvrelay.worker.model_runner import ModelRunner, bind_device, kv_block_bytes, torch_dtype
@@ -73,6 +74,8 @@ class Worker:
         if self.device.type == "cuda":
             bind_device(self.device)
             self._baseline = GpuMemory.read(self.device)  # before the weights: see memory.py
+            if mcfg.batch_invariant:
+                configure_cuda()  # before this process's first matmul
         model = build_model(plan.spec, weights, torch_dtype(mcfg.dtype), self.device, self.tp)
         connector = build_worker_connector(config, model.spec, plan.kv, self.tp.rank)
         scales = plan.kv.scales  # [num_layers, 2, num_kv_heads] of the whole model, fp8 only
@@ -84,7 +87,8 @@ class Worker:
                                   connector=connector,
                                   kv_scales=None if scales is None else scales.to(self.device),
                                   attention_backend=mcfg.attention_backend, enforce_eager=mcfg.enforce_eager,
-                                  max_num_seqs=config.scheduler.max_num_seqs)
+                                  max_num_seqs=config.scheduler.max_num_seqs,
+                                  batch_invariant=mcfg.batch_invariant)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks this rank can hold: from kv_cache_memory (or the CPU default), or

@@ -269,3 +269,34 @@ def test_an_idle_subscriber_waits_instead_of_spinning(monkeypatch: pytest.Monkey
     finally:
         subscriber.close()
     assert not subscriber._thread.is_alive()
+
+
+def test_a_vllm_publishers_replay_which_repeats_the_topic_rebuilds_the_history(
+        tmp_path: Path, sink: RecordingSink) -> None:
+    """vLLM 0.32's replay socket answers `[topic, seq, payload]` after the empty frame, and ends
+    with `[b"", -1, b""]` after it: the history it sends is taken like kvrelay's."""
+    import zmq
+
+    from kvrelay.kv_events import encode_batch
+
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(f"ipc://{tmp_path}/vllm-pub")
+    router.bind(f"ipc://{tmp_path}/vllm-replay")
+    subscriber = KVEventSubscriber(sink)
+    try:
+        subscriber.add("v0", StreamAddress(f"ipc://{tmp_path}/vllm-pub", f"ipc://{tmp_path}/vllm-replay",
+                                           "kv"))
+        assert router.poll(5000), "no replay request"
+        client, empty, start = router.recv_multipart()
+        assert (empty, int.from_bytes(start, "big")) == (b"", 0)
+        for seq in range(3):  # as vllm/distributed/kv_events.py ZmqEventPublisher._service_replay
+            router.send_multipart((client, b"", b"kv", seq.to_bytes(8, "big"), encode_batch(batch(seq + 1))))
+        router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+        wait_for(lambda: len(sink.seqs) == 3, what="the replayed history")
+        assert sink.tags == [1, 2, 3] and sink.resets == []
+        assert not subscriber.stats()["v0"].replaying
+    finally:
+        subscriber.close()
+        pub.close(linger=0)
+        router.close(linger=0)

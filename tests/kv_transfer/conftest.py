@@ -28,14 +28,16 @@ def transports(monkeypatch: pytest.MonkeyPatch) -> list[InProcessTransport]:
 
 @pytest.fixture
 def make_pd(transports: list[InProcessTransport]) -> Iterator[Callable[..., PD]]:
-    """make_pd(p_extra={}, d_extra={}, d_policy="recompute") -> PD. At the end of the test both
-    engines must settle with zero blocks in use, and every side-channel thread must be gone."""
+    """make_pd(p_extra={}, d_extra={}, d_policy="recompute", p_model={}, p_engine={}, d_engine={})
+    -> PD (p_engine / d_engine: more make_engine arguments). At the end of the test both engines
+    must settle with zero blocks in use, and every side-channel thread must be gone."""
     pairs: list[PD] = []
 
     def build(p_extra: dict[str, Any] | None = None, d_extra: dict[str, Any] | None = None,
-              d_policy: str = "recompute", p_model: dict[str, Any] | None = None) -> PD:
-        p = make_engine(nixl_config("kv_producer", **(p_extra or {})), **(p_model or {}))
-        d = make_engine(nixl_config("kv_consumer", policy=d_policy, **(d_extra or {})))
+              d_policy: str = "recompute", p_model: dict[str, Any] | None = None,
+              p_engine: dict[str, Any] | None = None, d_engine: dict[str, Any] | None = None) -> PD:
+        p = make_engine(nixl_config("kv_producer", **(p_extra or {})), **(p_engine or {}), **(p_model or {}))
+        d = make_engine(nixl_config("kv_consumer", policy=d_policy, **(d_extra or {})), **(d_engine or {}))
         pair = PD(p, d)
         pairs.append(pair)
         return pair

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvrelay.kv_transfer.compat import (
     COMPAT_FIELDS,
+    DEFAULT_NUMERICS,
     compat_fingerprint,
     describe_difference,
     first_difference,
@@ -18,7 +19,19 @@ def fingerprint(**changes: object) -> dict[str, object]:
 
 
 def test_fields_come_in_the_documented_order() -> None:
-    assert tuple(fingerprint()) == COMPAT_FIELDS
+    assert tuple(fingerprint(numerics="batch-invariant-v1; ...")) == COMPAT_FIELDS
+
+
+def test_default_numerics_leave_the_fingerprint_as_it_was_before_the_field() -> None:
+    """So a peer of that version still pairs, and offload entries it stored are still found."""
+    before = ("model", "kv_cache_dtype", "kv_scales", "layout", "block_size", "head_size", "num_kv_heads",
+              "tp_mapping")
+    assert tuple(fingerprint()) == before == tuple(fingerprint(numerics=DEFAULT_NUMERICS))
+    mode = fingerprint(numerics="batch-invariant-v1; tp1")
+    assert first_difference(fingerprint(), mode) == ("numerics", "default", "batch-invariant-v1; tp1")
+    assert describe_difference(mode, fingerprint()).startswith(  # type: ignore[union-attr]
+        "numerics differs: ours 'batch-invariant-v1; tp1', theirs 'default' (run both instances with "
+        "--batch-invariant, or neither")
 
 
 def test_the_first_differing_field_is_named_with_both_values() -> None:

@@ -14,11 +14,15 @@ from kvrelay.attention.backends.reference import TorchBackend
 logger = logging.getLogger(__name__)
 
 
-def select_backend(requested: str, device: torch.device, num_kv_heads: int, head_dim: int,
-                   max_model_len: int, latent: bool = False) -> AttentionBackend:
+def select_backend(requested: str, device: torch.device, num_kv_heads: int, head_dim: int, max_model_len: int,
+                   latent: bool = False, batch_invariant: bool = False) -> AttentionBackend:
     """The backend `requested` names ("auto": cpu on the CPU, triton on CUDA), for a model
     whose cache has `num_kv_heads` heads (this rank's) of `head_dim`. MLA's latent cache and a
-    head_dim the Triton kernels do not take (a power of two >= 16) run the torch route."""
+    head_dim the Triton kernels do not take (a power of two >= 16) run the torch route.
+    `batch_invariant`: the route's variant that computes every query row alike, prefill or
+    decode (docs/batch_invariance.md); the torch route has none."""
+    if batch_invariant:
+        return _invariant_backend(requested, device, num_kv_heads, head_dim, max_model_len, latent)
     if requested == "auto":
         requested = "cpu" if device.type == "cpu" else "triton"
         why_not_triton = _triton_unfit(head_dim, latent) if requested == "triton" else None
@@ -39,6 +43,29 @@ def select_backend(requested: str, device: torch.device, num_kv_heads: int, head
 
         return TritonBackend(num_kv_heads, max_model_len)
     raise ValueError(f"unknown attention backend {requested!r}; choose auto, cpu, torch or triton")
+
+
+def _invariant_backend(requested: str, device: torch.device, num_kv_heads: int, head_dim: int,
+                       max_model_len: int, latent: bool) -> AttentionBackend:
+    if requested == "auto":
+        requested = "cpu" if device.type == "cpu" else "triton"
+    problem = _triton_unfit(head_dim, latent) if requested == "triton" else None
+    if latent or requested == "torch" or problem is not None:
+        why = problem or ("MLA's latent cache runs the torch route" if latent
+                          else "the torch route was asked for")
+        raise ValueError(f"batch_invariant needs the cpu or triton attention route, and {why}: the torch "
+                         "route prefills and decodes through different reductions")
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs the native CPU kernels; the model is on {device}")
+        from kvrelay.attention.backends.cpu_rows import RowsCpuBackend
+
+        return RowsCpuBackend()
+    if requested != "triton":
+        raise ValueError(f"unknown attention backend {requested!r}; choose auto, cpu, torch or triton")
+    from kvrelay.attention.backends.gpu import TritonBackend
+
+    return TritonBackend(num_kv_heads, max_model_len, batch_invariant=True)
 
 
 def _triton_unfit(head_dim: int, latent: bool) -> str | None:

@@ -10,6 +10,13 @@ blocks where they lie. Nothing here reads a device value on the host, so a decod
 inside a CUDA graph: `graph_inputs` hands out the static buffers such a graph reads, and pads a
 smaller batch with rows that write no KV (slot -1) and read no block (length 0).
 
+In the batch-invariant mode (`batch_invariant=True`) every step runs `paged_prefill`, decode rows
+included, as a prefill of one query, with its query tiles aligned to positions: a row's
+reduction is then the prefill kernel's, its key tiles from position 0 and its place in its query
+tile fixed by its position, with one split, whatever the step's mix, batch size or CUDA-graph
+padding; the last prompt token computed on P equals the same token recomputed on D. Decode
+attention costs more (each query head reads its K/V tiles alone, no context split).
+
 Off a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests
 check this route against the torch one.
 """
@@ -43,15 +50,19 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs: ClassVar[bool] = True
     reorder_batch_threshold: ClassVar[int | None] = 1
 
-    def __init__(self, num_kv_heads: int, max_model_len: int) -> None:
+    def __init__(self, num_kv_heads: int, max_model_len: int, batch_invariant: bool = False) -> None:
         self.num_kv_heads = num_kv_heads  # this rank's
         self.max_model_len = max_model_len
+        self.batch_invariant = batch_invariant
 
     def num_splits(self, num_seqs: int) -> int:
         """Decode's context split, a function of the batch size alone: a kernel variant per
-        split count, so few of them (and a CUDA graph per size fixes its own)."""
+        split count, so few of them (and a CUDA graph per size fixes its own). One in the
+        batch-invariant mode (whose decode rows run the prefill kernel)."""
         from kvrelay.kernels.triton import decode_num_splits
 
+        if self.batch_invariant:
+            return 1
         return decode_num_splits(num_seqs, self.num_kv_heads, self.max_model_len)
 
     def build_metadata(self, batch: StepBatch) -> TritonMetadata:
@@ -68,6 +79,10 @@ class TritonBackend(AttentionBackend):
         cache, scales = layer.kv_cache, layer.kv_scales
         store_kv(k, v, cache, meta.slot_mapping, scales)
         out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)  # [T, H*D]
+        if self.batch_invariant:  # every row a prefill row: one kernel whatever the step's mix
+            paged_prefill(q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, out, layer.scale,
+                          meta.max_query_len, scales, aligned=True)
+            return out
         n = meta.num_decodes  # their query rows are q's first n rows
         if n:
             paged_decode(q[:n], cache, meta.block_tables[:n], meta.seq_lens[:n], out[:n], layer.scale, scales,

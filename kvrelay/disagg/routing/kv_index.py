@@ -16,16 +16,26 @@ trusted is *unusable*: no events endpoint, no subscription yet, or published sto
 not arrive within `stale_after_s` of a prefill leg that must have made some. The routing
 policy then weighs it by load alone, and /metrics says so.
 
+Each entry also says how its instance hashes blocks (routing/hash_schemes.py): kvrelay's hash,
+or vLLM's with one algorithm and seed among candidates. The instance's own BlockStored events
+check it: the first one that can tell confirms the scheme or picks the candidate that
+reproduces it; when none does, the instance's hashes are *not reproducible* and its index is
+unusable (routed by load) until it starts over. Predictions are made in the form the instance
+publishes (digests, or vLLM's 64-bit integers).
+
 Thread-safety: the subscriber thread writes, the proxy's event loop reads; one lock.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvrelay.disagg.routing.hash_schemes import KVRELAY_SCHEME, BlockHashScheme, check_stored, external
 from kvrelay.disagg.routing.prompt import PromptBlocks
 from kvrelay.kv_events.events import (
     AllBlocksCleared,
@@ -34,6 +44,10 @@ from kvrelay.kv_events.events import (
     ExternalBlockHash,
     KVEventBatch,
 )
+
+logger = logging.getLogger(__name__)
+
+HASHES_ASSUMED, HASHES_VERIFIED, HASHES_NOT_REPRODUCIBLE = "assumed", "verified", "not reproducible"
 
 
 def rank_key(url: str, dp_rank: int) -> str:
@@ -45,16 +59,26 @@ def rank_key(url: str, dp_rank: int) -> str:
 class InstanceIndex:
     subscribed: bool = False  # an events stream is followed for this instance
     block_size: int | None = None
+    schemes: tuple[BlockHashScheme, ...] = (KVRELAY_SCHEME,)  # candidates, the one in use first
+    hashes: str = HASHES_ASSUMED  # whether its events confirmed schemes[0]
+    int_hashes: bool = False  # it publishes hashes as integers (vLLM's default)
     media: dict[str, set[ExternalBlockHash]] = field(default_factory=dict)
-    expected: Counter[bytes] = field(default_factory=Counter)  # prompt blocks of legs in flight
-    expected_by_request: dict[str, list[bytes]] = field(default_factory=dict)
+    expected: Counter[ExternalBlockHash] = field(default_factory=Counter)  # blocks of legs in flight
+    expected_by_request: dict[str, list[ExternalBlockHash]] = field(default_factory=dict)
     expiries: dict[str, float] = field(default_factory=dict)  # request id -> monotonic deadline
     awaiting_since: float | None = None  # a leg finished that must have stored blocks; none seen
     last_batch_at: float | None = None  # time.monotonic() of the newest batch
     num_resets: int = 0
     last_reset_reason: str | None = None
 
-    def holds(self, block_hash: bytes) -> bool:
+    @property
+    def scheme(self) -> BlockHashScheme:
+        return self.schemes[0]
+
+    def prompt_hashes(self, prompt: PromptBlocks, block_size: int) -> list[ExternalBlockHash]:
+        return [external(h, self.int_hashes) for h in prompt.block_hashes(block_size, self.scheme)]
+
+    def holds(self, block_hash: ExternalBlockHash) -> bool:
         return self.expected[block_hash] > 0 or any(block_hash in held for held in self.media.values())
 
     def num_blocks(self) -> dict[str, int]:
@@ -64,9 +88,12 @@ class InstanceIndex:
 @dataclass(frozen=True)
 class IndexStatus:
     usable: bool
-    reason: str  # "ok", "no events endpoint", "no events yet", "stale: ...", "unknown instance"
+    reason: str  # "ok", "no events endpoint", "no events yet", "stale: ...", "hashes not
+    # reproducible: ...", "unknown instance"
     blocks: dict[str, int]
     resets: int
+    scheme: str = KVRELAY_SCHEME.name  # how the proxy hashes the instance's blocks
+    hashes: str = HASHES_ASSUMED  # assumed | verified (by its events) | not reproducible
 
 
 class KVIndex:
@@ -78,10 +105,15 @@ class KVIndex:
 
     # ------------------------------------------------------------------ membership
 
-    def track(self, url: str, subscribed: bool, block_size: int | None = None) -> None:
-        """Start an empty entry for `url` (replacing any); `subscribed`: events will come."""
+    def track(self, url: str, subscribed: bool, block_size: int | None = None,
+              schemes: Sequence[BlockHashScheme] = (KVRELAY_SCHEME,)) -> None:
+        """Start an empty entry for `url` (replacing any); `subscribed`: events will come;
+        `schemes`: how it may hash blocks, the likeliest first (its events will tell)."""
+        if not schemes:
+            raise ValueError(f"{url}: no block hash scheme the proxy can compute for it")
         with self._lock:
-            self._instances[url] = InstanceIndex(subscribed=subscribed, block_size=block_size)
+            self._instances[url] = InstanceIndex(subscribed=subscribed, block_size=block_size,
+                                                 schemes=tuple(schemes))
 
     def forget(self, url: str) -> None:
         with self._lock:
@@ -99,11 +131,35 @@ class KVIndex:
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     entry.block_size = event.block_size
+                    entry.int_hashes = bool(event.block_hashes) and isinstance(event.block_hashes[0], int)
+                    if entry.hashes != HASHES_VERIFIED:
+                        self._check_hashes(source, entry, event)
                     entry.media.setdefault(_medium(event.medium), set()).update(event.block_hashes)
                 elif isinstance(event, BlockRemoved):
                     entry.media.get(_medium(event.medium), set()).difference_update(event.block_hashes)
                 elif isinstance(event, AllBlocksCleared):
                     entry.media.clear()
+
+    def _check_hashes(self, source: str, entry: InstanceIndex, event: BlockStored) -> None:
+        """Confirm the entry's scheme with `event`, or switch to the candidate that reproduces
+        it, or mark the instance's hashes as not reproducible."""
+        verdicts = [(scheme, check_stored(scheme, event)) for scheme in entry.schemes]
+        if all(verdict is None for _, verdict in verdicts):
+            return  # this event cannot tell (extra keys, an integer parent, ...)
+        match = next((scheme for scheme, verdict in verdicts if verdict), None)
+        if match is None:
+            if entry.hashes != HASHES_NOT_REPRODUCIBLE:
+                logger.warning("%s: its block hashes match none of the schemes the proxy computes (%s); "
+                               "kv-aware routing weighs it by load alone. A vLLM instance with "
+                               "PYTHONHASHSEED set needs the same value as the proxy's --pythonhashseed; "
+                               "xxhash without PYTHONHASHSEED is random per process", source,
+                               ", ".join(s.key for s in entry.schemes))
+            entry.hashes = HASHES_NOT_REPRODUCIBLE
+            return
+        if match is not entry.scheme:
+            logger.info("%s hashes blocks as %s", source, match.key)
+        entry.schemes = (match, *(s for s in entry.schemes if s is not match))
+        entry.hashes = HASHES_VERIFIED
 
     def on_reset(self, source: str, reason: str) -> None:
         with self._lock:
@@ -112,6 +168,8 @@ class KVIndex:
                 entry.media.clear()
                 entry.num_resets += 1
                 entry.last_reset_reason = reason
+                if entry.hashes == HASHES_VERIFIED:
+                    entry.hashes = HASHES_ASSUMED  # a new process may hash otherwise: check again
 
     # ------------------------------------------------------------------ routing's questions
 
@@ -120,11 +178,14 @@ class KVIndex:
             entry = self._instances.get(url)
             if entry is None:
                 return IndexStatus(False, "unknown instance", {}, 0)
-            return IndexStatus(*self._usable(entry, now), entry.num_blocks(), entry.num_resets)
+            return IndexStatus(*self._usable(entry, now), entry.num_blocks(), entry.num_resets,
+                               entry.scheme.name, entry.hashes)
 
     def _usable(self, entry: InstanceIndex, now: float | None) -> tuple[bool, str]:
         if not entry.subscribed:
             return False, "no events endpoint"
+        if entry.hashes == HASHES_NOT_REPRODUCIBLE:
+            return False, "hashes not reproducible: its events match no scheme the proxy computes"
         if entry.block_size is None:
             return False, "no events yet"
         if entry.awaiting_since is not None:
@@ -142,7 +203,7 @@ class KVIndex:
                 return None
             self._expire(entry)
             block_size = entry.block_size
-            hashes = prompt.block_hashes(block_size)[:prompt.max_hit_blocks(block_size)]
+            hashes = entry.prompt_hashes(prompt, block_size)[:prompt.max_hit_blocks(block_size)]
             num_hit = 0
             for block_hash in hashes:
                 if not entry.holds(block_hash):
@@ -165,7 +226,7 @@ class KVIndex:
             entry = self._instances.get(url)
             if entry is None or entry.block_size is None or not prompt.hashable:
                 return
-            hashes = prompt.block_hashes(entry.block_size)
+            hashes = entry.prompt_hashes(prompt, entry.block_size)
             entry.expected.update(hashes)
             entry.expected_by_request[request_id] = hashes
 

@@ -6,7 +6,8 @@
                   legs already sent to the instance, plus twice the prompt tokens it would
                   compute (its cached prefix, from the KV index, not counted); decode: the fewest legs in
                   flight, and among equals the longest cached prefix (D computes one token,
-                  so its cache saves transfer, not compute). An instance whose index is
+                  so its cache saves transfer, not compute), or, without P/D (a proxy with no
+                  prefill instance: D computes the prompt), the prefill cost. An instance whose index is
                   unusable counts as caching nothing; with no usable index at all the choice is
                   the least-loaded one.
 
@@ -100,9 +101,11 @@ class LeastLoaded(RoutingPolicy):
 class KVAware(RoutingPolicy):
     name = "kv-aware"
 
-    def __init__(self, index: KVIndex, role: str) -> None:
+    def __init__(self, index: KVIndex, role: str, computes_prompt: bool | None = None) -> None:
         self.index = index
         self.role = role
+        # Whether the chosen instance computes the prompt (prefill, or a decode leg without P/D).
+        self.computes_prompt = role == "prefill" if computes_prompt is None else computes_prompt
         self._least_loaded = LeastLoaded()
 
     def choose(self, candidates: Sequence[Backend], prompt: PromptBlocks) -> Decision[Backend]:
@@ -113,7 +116,7 @@ class KVAware(RoutingPolicy):
             return self._by_load(candidates, prompt, "index_unavailable")
         rotated = self._least_loaded.rotated(candidates)  # equals take turns
         known = {url: hit or 0 for url, hit in hits.items()}
-        if self.role == "prefill":
+        if self.computes_prompt:
             # NOTE: the cost of a leg on an instance is the wait for the legs queued there plus
             # its own compute twice: once for its own first token, once more for the legs that
             # will queue behind it. Weighing the queue alone against one compute sends a prompt
@@ -140,7 +143,8 @@ class KVAware(RoutingPolicy):
         return Decision(choice.backend, reason, compute_tokens=prompt.num_tokens)
 
 
-def create_policy(name: str, role: str, index: KVIndex | None) -> RoutingPolicy:
+def create_policy(name: str, role: str, index: KVIndex | None,
+                  computes_prompt: bool | None = None) -> RoutingPolicy:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":
@@ -148,5 +152,5 @@ def create_policy(name: str, role: str, index: KVIndex | None) -> RoutingPolicy:
     if name == "kv-aware":
         if index is None:
             raise ValueError("the kv-aware policy needs a KV index")
-        return KVAware(index, role)
+        return KVAware(index, role, computes_prompt)
     raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {name!r}")

@@ -1,8 +1,9 @@
 """A request's prompt as the instances will see it: its token ids and its blocks' hashes.
 
 The proxy tokenizes with the model's own tokenizer and the server's own code
-(kvrelay.entrypoints.prompt_tokens), then hashes full blocks with the engine's own function
-(kvrelay.core.block_hash), so a hash here is the hash an instance publishes for those tokens.
+(kvrelay.entrypoints.prompt_tokens), then hashes full blocks the way the instance does
+(routing/hash_schemes.py: kvrelay's kvrelay.core.block_hash, or vLLM's), so a hash here is the
+hash an instance publishes for those tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.core.block_hash import hash_token_blocks
+from kvrelay.disagg.routing.hash_schemes import KVRELAY_SCHEME, BlockHashScheme
 
 if TYPE_CHECKING:
     import httpx
@@ -28,12 +29,14 @@ TOKENIZER_PROBES = (
 
 
 class PromptBlocks:
-    """One prompt's token ids (None when the proxy cannot know them) and, per block size, the
-    chained hashes of its full blocks, computed on first use."""
+    """One prompt's token ids (None when the proxy cannot know them) and, per hash scheme and
+    block size, the chained hashes of its full blocks, computed on first use. `cache_salt` is
+    the request's (vLLM salts the first block's hash with it)."""
 
-    def __init__(self, token_ids: list[int] | None) -> None:
+    def __init__(self, token_ids: list[int] | None, cache_salt: str | None = None) -> None:
         self.token_ids = token_ids
-        self._hashes: dict[int, list[bytes]] = {}
+        self.cache_salt = cache_salt
+        self._hashes: dict[tuple[str, int], list[bytes]] = {}
 
     @property
     def hashable(self) -> bool:
@@ -43,12 +46,13 @@ class PromptBlocks:
     def num_tokens(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else 0
 
-    def block_hashes(self, block_size: int) -> list[bytes]:
+    def block_hashes(self, block_size: int, scheme: BlockHashScheme = KVRELAY_SCHEME) -> list[bytes]:
         if self.token_ids is None:
             return []
-        if block_size not in self._hashes:
-            self._hashes[block_size] = hash_token_blocks(self.token_ids, block_size)
-        return self._hashes[block_size]
+        key = (scheme.key, block_size)
+        if key not in self._hashes:
+            self._hashes[key] = scheme.chain(self.token_ids, block_size, cache_salt=self.cache_salt)
+        return self._hashes[key]
 
     def max_hit_blocks(self, block_size: int) -> int:
         """An engine's prefix hit stops short of the last token (it is computed for the logits)."""
@@ -98,7 +102,9 @@ class PromptReader:
             return PromptBlocks(None)
         from kvrelay.entrypoints.prompt_tokens import request_prompt_token_ids
 
-        return PromptBlocks(request_prompt_token_ids(self.tokenizer, route, body))
+        salt = body.get("cache_salt")
+        return PromptBlocks(request_prompt_token_ids(self.tokenizer, route, body),
+                            salt if isinstance(salt, str) and salt else None)
 
 
 @lru_cache(maxsize=4)

@@ -11,6 +11,12 @@ prefill read from the cache.
 Grid: (query tiles of the longest query, num_seqs, H). A program takes BLOCK_M query rows of
 one head and walks the context in tiles of BLOCK_N positions, up to the last position its rows
 may see, with an online softmax in float32. Programs past their sequence's queries exit.
+
+`aligned=True` (the batch-invariant mode) cuts the query tiles at multiples of BLOCK_M of the
+position instead of at the chunk's first query: the token at position p is then always row
+p % BLOCK_M of its tile, whether it is computed in a whole prompt, in a chunk, after a prefix
+hit or as a decode row, so a dot whose rounding follows the row's place in the tile (the
+interpreter's BLAS does) cannot tell those apart. The key tiles start at position 0 either way.
 """
 
 from __future__ import annotations
@@ -52,20 +58,23 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,  # query tiles at multiples of BLOCK_M of the position (module docstring)
 ):
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     first_row = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - first_row
-    if tile * BLOCK_M >= query_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - query_len  # the position of the sequence's first query token
+    shift = first_pos % BLOCK_M if ALIGNED else 0  # rows of the first tile before the first query
+    if tile * BLOCK_M >= query_len + shift:
+        return
 
-    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M], query index within the sequence
+    i = tile * BLOCK_M - shift + tl.arange(0, BLOCK_M)  # [BLOCK_M], query index within the sequence
     d = tl.arange(0, HEAD_DIM)  # [D]
     query_pos = first_pos + i  # [BLOCK_M]; rows past query_len sit past seq_len, see everything
-    is_query = tl.broadcast_to(i[:, None] < query_len, (BLOCK_M, HEAD_DIM))  # [BLOCK_M, D]
+    is_query = (i[:, None] >= 0) & (i[:, None] < query_len)  # [BLOCK_M, 1]
+    is_query = tl.broadcast_to(is_query, (BLOCK_M, HEAD_DIM))  # [BLOCK_M, D]
     rows = (first_row + i)[:, None] * stride_q + head * HEAD_DIM + d[None, :]  # [BLOCK_M, D]
     q = tl.load(q_ptr + rows, mask=is_query, other=0.0)  # [BLOCK_M, D]
 
@@ -73,7 +82,7 @@ def _prefill_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq * stride_table  # this sequence's block ids
-    end = tl.minimum(seq_len, first_pos + (tile + 1) * BLOCK_M)  # past the last position any row sees
+    end = tl.minimum(seq_len, first_pos - shift + (tile + 1) * BLOCK_M)  # past the last position any row sees
     for tile_start in range(0, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         valid = pos < end
@@ -100,12 +109,14 @@ def paged_prefill(
     scale: float,
     max_query_len: int,
     kv_scales: torch.Tensor | None = None,
+    aligned: bool = False,
 ) -> None:
     """q [num_tokens, H * D] (rows may be strided) -> `out` [num_tokens, H * D], same dtype.
     Sequence s owns rows query_start_loc[s] .. query_start_loc[s+1] (query_start_loc
     [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, max_blocks], int32 or int64, on
     the cache's device). `max_query_len` (a host int, no device sync) sizes the grid and must be
-    at least every sequence's query_len; every query_len must be <= its seq_len."""
+    at least every sequence's query_len; every query_len must be <= its seq_len. `aligned`: query
+    tiles at multiples of BLOCK_M of the position (the batch-invariant mode; module docstring)."""
     cache = check_kv_cache("paged_prefill", kv_cache, kv_scales)
     num_tokens = q.shape[0]
     num_heads = num_query_heads("paged_prefill", q, cache)
@@ -128,7 +139,10 @@ def paged_prefill(
         return
 
     tiles = prefill_tiles(cache.head_dim, q.dtype)
-    _prefill_kernel[(cdiv(max_query_len, tiles.block_m), num_seqs, num_heads)](
+    # Aligned, a sequence's queries may start anywhere in their first tile: one tile more.
+    num_tiles = (cdiv(max_query_len - 1, tiles.block_m) + 1 if aligned
+                 else cdiv(max_query_len, tiles.block_m))
+    _prefill_kernel[(num_tiles, num_seqs, num_heads)](
         q, q.stride(0), kv_cache, kv_scales, block_tables, block_tables.stride(0), query_start_loc,
         seq_lens, out, out.stride(0), scale,
         NUM_HEADS=num_heads,
@@ -139,5 +153,6 @@ def paged_prefill(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ALIGNED=aligned,
         num_warps=tiles.num_warps,
     )

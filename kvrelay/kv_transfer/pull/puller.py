@@ -176,6 +176,8 @@ class Puller:
             return  # a peer dropped meanwhile
         if reply is not None and error is None:
             error = self._incompatibility(peer, reply)
+            if error is not None:
+                self._results.count("handshakes_incompatible")
         if reply is not None and error is None:
             try:
                 self.transport.remove_remote(peer.key)  # a restarted peer: forget the old one

@@ -233,6 +233,8 @@ class PushReceiver:
             base = self._peers.get((peer.host, peer.port - peer.p_rank))
             base_tp = base.reply.tp_size if base is not None and base.reply is not None else reply.tp_size
             error = handshake_problem(self.identity, peer, reply, base_tp)
+            if error is not None:
+                self._results.count("handshakes_incompatible")
         if error is not None:
             self._drop_peer(peer, error)
             return

@@ -27,7 +27,8 @@ MIXED_BATCH = [(70, 70), (5, 37), (80, 150), (1, 20)]
 
 
 def prefill_case(batch: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-                 cache_dtype: torch.dtype, q_dtype: torch.dtype, seed: int = 0) -> None:
+                 cache_dtype: torch.dtype, q_dtype: torch.dtype, seed: int = 0,
+                 aligned: bool = False) -> None:
     """Build a shuffled paged cache whose unused positions hold NaN, run paged_prefill with q
     rows strided (a view of a fused qkv tensor), and compare with the reference."""
     g = torch.Generator().manual_seed(seed)
@@ -47,7 +48,7 @@ def prefill_case(batch: list[tuple[int, int]], num_heads: int, num_kv_heads: int
     out = torch.empty(q.shape, dtype=q_dtype, device=DEVICE)
     paged_prefill(q, cache.to(DEVICE), tables.to(DEVICE), query_start_loc.to(DEVICE),
                   torch.tensor(seq_lens, device=DEVICE), out, SCALE, max(query_lens),
-                  None if scales is None else scales.to(DEVICE))
+                  None if scales is None else scales.to(DEVICE), aligned=aligned)
     tol = TOLERANCE[q_dtype]
     torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
 
@@ -56,6 +57,12 @@ def prefill_case(batch: list[tuple[int, int]], num_heads: int, num_kv_heads: int
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (2, 2)])
 def test_paged_prefill_with_and_without_a_prefix_hit_matches_torch_reference(dtype, num_heads, num_kv_heads):
     prefill_case(MIXED_BATCH, num_heads, num_kv_heads, 32, dtype, dtype)
+
+
+def test_paged_prefill_with_query_tiles_aligned_to_positions_matches_torch_reference():
+    # The batch-invariant mode's tiling: queries starting mid-tile (37 - 5 = 32, 150 - 80 = 70,
+    # 20 - 1 = 19) spill into one more tile than their length needs.
+    prefill_case(MIXED_BATCH + [(64, 127)], 4, 2, 32, torch.float32, torch.float32, seed=4, aligned=True)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -38,10 +38,11 @@ def nixl_config(role: str, port: int | None = None, policy: str = "recompute",
 
 
 def make_engine(kv_transfer_config: dict[str, Any] | None = None, num_blocks: int = NUM_BLOCKS,
-                max_num_batched_tokens: int = 256, **model_overrides: Any) -> LLMEngine:
+                max_num_batched_tokens: int = 256, batch_invariant: bool = False,
+                **model_overrides: Any) -> LLMEngine:
     return LLM(loaded_model=tiny_loaded_model(**model_overrides), block_size=BLOCK_SIZE,
                num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
-               kv_transfer_config=kv_transfer_config).engine
+               kv_transfer_config=kv_transfer_config, batch_invariant=batch_invariant).engine
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -85,10 +85,11 @@ def make_pair(spy: Spy) -> Iterator[Callable[..., tuple[PD, int]]]:
     pairs: list[PD] = []
 
     def build(p_batch: int = 256, d_policy: str = "recompute", p_extra: dict[str, Any] | None = None,
-              d_extra: dict[str, Any] | None = None) -> tuple[PD, int]:
+              d_extra: dict[str, Any] | None = None,
+              p_engine: dict[str, Any] | None = None) -> tuple[PD, int]:
         port = free_port()
         p = make_engine(push_config("kv_producer", spy.backend, port=port, **(p_extra or {})),
-                        max_num_batched_tokens=p_batch)
+                        max_num_batched_tokens=p_batch, **(p_engine or {}))
         d = make_engine(push_config("kv_consumer", spy.backend, policy=d_policy, **(d_extra or {})))
         pairs.append(PD(p, d))
         return pairs[-1], port
@@ -331,6 +332,17 @@ def test_a_registration_for_another_prompt_is_refused(make_pair, reference) -> N
     out = pair.wait(pair.d, {"m"})["m"]
     assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 3)
     assert pair.d.get_stats()["kv_load_failures"] == 1
+
+
+def test_a_p_in_the_batch_invariant_mode_and_a_d_without_refuse_each_other_and_d_recomputes(
+        make_pair, spy, reference) -> None:
+    pair, port = make_pair(p_extra={"lease_seconds": 1.0}, p_engine={"batch_invariant": True})
+    tokens = prompt(3 * BLOCK_SIZE + 1, 70)
+    out = push(pair, port, "bi", tokens, p_first=True)
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 4)
+    stats = pair.d.get_stats()
+    assert (stats["kv_transfer_incompatible"], stats["kv_load_failures"]) == (1, 1)
+    assert stats["prompt_tokens_computed"] == len(tokens) and not [w for w in spy.writes if w.num_blocks]
 
 
 def test_push_after_prefill_writes_the_whole_prompt_once(make_pair, spy, reference) -> None:
