@@ -104,6 +104,34 @@ class VllmServer:
         self.stop()
         raise TimeoutError(f"vLLM was not healthy within {timeout_s:.0f} s:\n{self.log()[-6000:]}")
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: an instance that crashes, its side channel
+        and transport going with it (stop() afterwards only reaps it)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def worker_pid(self) -> int:
+        """The pid of the engine's worker process (vLLM titles it VLLM::Worker): the one holding
+        the KV cache and a connector's worker side."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self.proc.pid:
+                    continue
+                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, ProcessLookupError):
+                continue
+            if "Worker" in title:
+                return int(entry.name)
+        raise LookupError(f"no VLLM::Worker process in {self.url}'s process group")
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the process group, then SIGKILL if it outlives `timeout_s`."""
         if self.proc.poll() is not None and not _group_alive(self.proc.pid):
