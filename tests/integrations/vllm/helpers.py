@@ -47,11 +47,11 @@ def vllm_args(kv_transfer_config: dict[str, Any], *more: str) -> tuple[str, ...]
     return ("--kv-transfer-config", json.dumps(kv_transfer_config), *more)
 
 
-def kvrelay_serve(log_path: Path, kv_transfer_config: dict[str, Any]) -> ServeProcess:
+def kvrelay_serve(log_path: Path, kv_transfer_config: dict[str, Any], *more: str) -> ServeProcess:
     """`kvrelay serve` of the same weights and block size as the vLLM servers."""
     return ServeProcess(hf_model_dir(), log_path, "--block-size", str(BLOCK_SIZE), "--dtype", "float32",
                         "--served-model-name", SERVED_NAME,
-                        "--kv-transfer-config", json.dumps(kv_transfer_config))
+                        "--kv-transfer-config", json.dumps(kv_transfer_config), *more)
 
 
 # ---------------------------------------------------------------- prompts

@@ -37,6 +37,7 @@ from tests.kv_transfer.offload.redis_server import RedisServer
 from tests.vllm_serve import VllmServer
 
 OFFLOAD = "KvrelayOffloadConnector"
+RETRY_S = 1.0  # a failed Redis is skipped this long before it is asked again
 
 
 @dataclass
@@ -53,16 +54,17 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     redis = RedisServer()
     disk_dir = log_dir / "disk-tier"
     pull = {"transfer_timeout_seconds": 5.0}
+    tiers_a = {"cpu_bytes": "256MiB", "remote_url": redis.url, "retry_seconds": RETRY_S}
+    tiers_b = {"disk_dir": str(disk_dir), "disk_bytes": "512MiB", "remote_url": redis.url,
+               "retry_seconds": RETRY_S}
     a = VllmServer(log_dir / "a.log", *vllm_args(multi_config([
         connector_config("KvrelayConnector", "kv_producer", extra=pull, module_path=False),
-        connector_config(OFFLOAD, "kv_both", module_path=False,
-                         extra={"cpu_bytes": "256MiB", "remote_url": redis.url})], "kv_both"),
+        connector_config(OFFLOAD, "kv_both", module_path=False, extra=tiers_a)], "kv_both"),
         "--no-enable-prefix-caching"), core=0)
     b = VllmServer(log_dir / "b.log", *vllm_args(multi_config([
         connector_config("KvrelayConnector", "kv_consumer", extra=pull, module_path=False),
-        connector_config(OFFLOAD, "kv_both", module_path=False,
-                         extra={"disk_dir": str(disk_dir), "disk_bytes": "512MiB", "remote_url": redis.url})],
-        "kv_both"), "--no-enable-prefix-caching"), core=1)
+        connector_config(OFFLOAD, "kv_both", module_path=False, extra=tiers_b)], "kv_both"),
+        "--no-enable-prefix-caching"), core=1)
     try:
         a.wait_healthy()
         b.wait_healthy()
@@ -157,7 +159,7 @@ def test_redis_down_then_restarted_empty_degrades_to_recompute(pair: Pair) -> No
     assert answer(pair.b.url, down_prompt) == reference  # lookups fail: a miss, computed here
     assert _offload(pair.b.url, "redis_errors") > errors
     pair.redis = RedisServer(port)  # back, and empty: what A stored is gone
-    time.sleep(5.5)  # B skips a failed Redis for retry_seconds (5) before it asks again
+    time.sleep(RETRY_S + 0.5)  # B skips a failed Redis for retry_seconds before it asks again
     external = _external(pair.b.url)
     assert answer(pair.b.url, stored_prompt) == on_a
     assert _external(pair.b.url) == external  # nothing to load: recomputed

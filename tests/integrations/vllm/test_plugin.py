@@ -36,6 +36,15 @@ try:
 except RuntimeError as e:
     result["other_version"] = str(e)
 vllm.__version__ = real_version
+from types import SimpleNamespace
+from kvrelay.integrations.vllm.connectors import kvrelay_setup
+from kvrelay.integrations.vllm.kv_layout import UnsupportedVllmCache
+try:
+    parallel = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
+    kvrelay_setup(SimpleNamespace(parallel_config=parallel), None, "NixlConnector")
+    result["tensor_parallel"] = "accepted"
+except UnsupportedVllmCache as e:
+    result["tensor_parallel"] = str(e)
 """
 
 _LAYOUT = r"""
@@ -83,6 +92,7 @@ def test_the_plugin_imports_cheaply_registers_kvrelays_names_and_refuses_another
     assert result["registered"] == ["KvrelayConnector", "KvrelayOffloadConnector", "KvrelayPushConnector"]
     assert result["three_arguments"] is True
     assert "support vLLM 0.32.0" in str(result["other_version"]) and "0.33.0" in str(result["other_version"])
+    assert "tensor_parallel_size 1" in str(result["tensor_parallel"])  # refused at start, naming why
 
 
 def test_vllms_cpu_kernel_writes_the_layout_kvrelay_converts_from(checked: dict[str, Any]) -> None:
