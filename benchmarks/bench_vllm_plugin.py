@@ -108,7 +108,8 @@ def pair(kind: str, backend: str, log_dir: Path) -> Iterator[tuple[str, Callable
 def run_pd(kind: str, backend: str, prompts: list[list[int]], warmup: list[list[int]],
            log_dir: Path) -> list[tuple[float, float]]:
     with pair(kind, backend, log_dir) as (url, pin):
-        for prompt in warmup:  # also starts the transports' threads, which pin then binds too
+        pin()
+        for prompt in warmup:  # also starts threads of the transports: bound once more below
             stream(url, prompt)
         pin()
         return [stream(url, prompt) for prompt in prompts]
@@ -120,8 +121,8 @@ def run_offload(prompts: list[list[int]], log_dir: Path) -> tuple[list[float], l
     cold, warm = [], []
     with server:
         server.wait_healthy(600)
-        stream(server.url, prompt_set(99, lengths=(500,))[0])  # warm-up
         server.pin_threads(0)
+        stream(server.url, prompt_set(99, lengths=(500,))[0])  # warm-up
         for prompt in prompts:
             stored = metric(server.url, STORED) + len(prompt) // 256
             cold.append(stream(server.url, prompt, max_tokens=1)[0])
