@@ -62,10 +62,18 @@ $(VLLM_STAMP): pyproject.toml
 	# It pulls torchvision, torchaudio and torchcodec built for other torch versions; vLLM runs
 	# text models without them, and with them it fails to import (torchcodec's library won't load).
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# NIXL for vLLM's NixlConnector (it imports `nixl._api`: the `nixl` package, and its CUDA-12
-	# build, which also runs on host memory) and xxhash for its xxhash prefix-caching hashes.
+	# NIXL for vLLM's NixlConnector (it imports `nixl._api`: the `nixl` meta package, a shim over
+	# its CUDA-12 build, which also runs on host memory; without --no-deps it would add nixl-cu13,
+	# which nothing here uses) and xxhash for its xxhash prefix-caching hashes.
 	$(VLLM_PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 xxhash
 	$(VLLM_PY) -c "import torch, vllm; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	# kvrelay itself, for its vLLM connector plugin (kvrelay.integrations.vllm: the module path and
+	# the `vllm.general_plugins` entry point that registers its names), with the dependencies vLLM
+	# lacks (gguf, redis, nixl-cu12, mooncake), resolved against a freeze of this venv so that no
+	# package vLLM pins moves.
+	$(VLLM_PY) -m pip freeze --exclude-editable | grep -v '^kvrelay' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[offload,nixl,mooncake]'
+	$(VLLM_PY) -c "import kvrelay.integrations.vllm, nixl._api, redis"
 	touch $(VLLM_STAMP)
 
 # bench_offline's single-stream and mixed rows with the vLLM column (`make bench` adds the column

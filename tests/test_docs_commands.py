@@ -58,6 +58,9 @@ EXERCISED = {
     "serve --kv-transfer-config NixlConnector":
         E2E + "test_greedy_answers_through_the_proxy_equal_a_single_instance_and_d_does_not_recompute",
     # P and D engine processes pulling over Mooncake's Transfer Engine (parametrized by backend)
+    # a kvrelay instance beside vLLM instances (nixl, the default backend), pairing with a vLLM D
+    "serve --block-size --dtype --kv-transfer-config NixlConnector/nixl":
+        "tests/integrations/vllm/test_pd.py::test_kvrelay_p_feeds_a_vllm_d",
     "serve --kv-transfer-config NixlConnector/mooncake":
         "tests/kv_transfer/pull/test_pull_processes.py::test_processes_reproduce_single_instance_tokens",
     "serve --kv-transfer-config NixlPushConnector": PUSH,

@@ -179,6 +179,20 @@ def test_the_worker_never_imports_the_executor_or_the_engine(graph: dict[str, se
     assert _violations(graph, "kvrelay.worker", ("kvrelay.executor", "kvrelay.engine")) == []
 
 
+def test_only_the_vllm_integration_imports_vllm() -> None:
+    """kvrelay runs and tests without vLLM: every vLLM import lives in kvrelay/integrations/vllm."""
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+        names |= {node.module for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module}
+        if any(name.split(".")[0] == "vllm" for name in names):
+            importers.append(str(path.relative_to(PACKAGE)))
+    assert importers and all(p.startswith("integrations/vllm/") for p in importers), importers
+
+
 def test_no_file_of_kvrelay_is_over_the_size_budget() -> None:
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
              for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c", ".h")}
@@ -194,7 +208,8 @@ for module in sys.argv[1:]:
     try:
         importlib.import_module(module)
     except ImportError as e:
-        if not any(lib in str(e) for lib in ("nixl", "mooncake")):  # optional transport libraries
+        # optional transport libraries, and vLLM (only its integration imports it)
+        if not any(lib in str(e) for lib in ("nixl", "mooncake", "vllm")):
             failures[module] = repr(e)
 print(json.dumps(failures))
 """

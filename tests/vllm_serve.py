@@ -134,6 +134,59 @@ class VllmServer:
         self.stop()
         raise TimeoutError(f"vLLM was not healthy within {timeout_s:.0f} s:\n{self.log()[-6000:]}")
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: an instance that crashes, its side channel
+        and transport going with it (stop() afterwards only reaps it)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def processes(self) -> dict[int, str]:
+        """pid -> command line (vLLM retitles its processes: VLLM::EngineCore, VLLM::Worker) of
+        every process of this server's group."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) == self.proc.pid:
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                        errors="replace")
+            except (OSError, ProcessLookupError):
+                continue
+        return found
+
+    def worker_pid(self) -> int:
+        """The pid of the engine's worker process: the one holding the KV cache and a connector's
+        worker side."""
+        workers = [pid for pid, title in self.processes().items() if "Worker" in title]
+        if not workers:
+            raise LookupError(f"no VLLM::Worker process in {self.url}'s process group")
+        return workers[0]
+
+    def pin_threads(self, core: int) -> int:
+        """Bind every thread of every process of this server to `core`; returns how many. vLLM's
+        NixlConnector moves its worker's main thread to the last core of each NUMA node on the
+        CPU platform (nixl/base_worker.py), whatever VLLM_CPU_OMP_THREADS_BIND said."""
+        bound = 0
+        for pid in self.processes():
+            try:
+                tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            except OSError:
+                continue
+            for task in tasks:
+                try:
+                    os.sched_setaffinity(int(task.name), {core})
+                    bound += 1
+                except OSError:
+                    pass  # a thread that ended meanwhile
+        return bound
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the process group, then SIGKILL if it outlives `timeout_s`."""
         if self.proc.poll() is not None and not _group_alive(self.proc.pid):

@@ -15,13 +15,16 @@ outside the mode the fingerprint, its digest and so every offload key are what t
 the field existed: a peer of that version still pairs, and entries stored then are still found.
 
 When two fingerprints differ, `first_difference` names the first field that does and both values,
-which is what a refusal says.
+which is what a refusal says. A pull reader converts between the layouts layouts.py knows (a
+vLLM instance and a kvrelay one), so for it a differing layout alone is no refusal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from kvrelay.kv_transfer.layouts import can_convert
 
 COMPAT_FIELDS = ("model", "kv_cache_dtype", "kv_scales", "layout", "block_size", "head_size",
                  "num_kv_heads", "tp_mapping", "numerics")
@@ -60,10 +63,26 @@ def first_difference(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tupl
 
 
 def kv_incompatibility(ours: Mapping[str, Any], our_digest: str, our_tp: int,
-                       theirs: Mapping[str, Any], their_digest: str, their_tp: int) -> str | None:
+                       theirs: Mapping[str, Any], their_digest: str, their_tp: int,
+                       convert_layouts: bool = False) -> str | None:
     """Why a peer's KV cannot be used here (its first differing field), or None. The digest also
     covers a rank's share of the KV heads, which differs between TP sizes, so it decides only
-    between equal sizes; the fingerprint names the model's, and decides between any two."""
+    between equal sizes; the fingerprint names the model's, and decides between any two.
+
+    `convert_layouts`: the caller rewrites whole blocks it read from the peer's layout into its
+    own (layouts.py), so a layout differing in a way that has a conversion is no refusal (the
+    digest, which covers the layout, then cannot decide: every other field still must match)."""
+    their_layout, our_layout = theirs.get("layout"), ours.get("layout")
+    if convert_layouts and their_layout != our_layout:
+        if not isinstance(their_layout, str) or not isinstance(our_layout, str) \
+                or not can_convert(their_layout, our_layout):
+            return (f"layout differs: ours {our_layout!r}, theirs {their_layout!r}, and kvrelay has no "
+                    "conversion between them")
+        if our_tp != their_tp:
+            return (f"layout differs (ours {our_layout!r}, theirs {their_layout!r}) and so does "
+                    f"tensor_parallel_size (ours {our_tp}, theirs {their_tp}): kvrelay converts "
+                    "whole blocks only, between equal sizes")
+        return describe_difference({**ours, "layout": their_layout}, theirs)
     difference = describe_difference(ours, theirs)
     if difference is None and our_tp == their_tp and our_digest != their_digest:
         difference = f"digest differs: ours {our_digest}, theirs {their_digest}"

@@ -320,9 +320,8 @@ def _merged_eos_ids(directory: Path, eos_ids: tuple[int, ...]) -> tuple[int, ...
     return tuple(dict.fromkeys([*eos_ids, *(int(i) for i in extra)]))
 
 
-def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
+def hf_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory (its index's, when it has one)."""
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
         weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
@@ -331,10 +330,17 @@ def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights (other formats are not supported)")
-    weights: dict[str, torch.Tensor] = {}
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{file}, listed in {index_path.name}, does not exist")
+    return files
+
+
+def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in hf_weight_files(directory):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 weights[name] = f.get_tensor(name)

@@ -12,6 +12,7 @@ import torch
 from kvrelay.attention.kv_format import KVFormat, resolve_kv_format
 from kvrelay.config import EngineConfig
 from kvrelay.kv_transfer.compat import compat_fingerprint
+from kvrelay.kv_transfer.layouts import KVRELAY_LAYOUT
 from kvrelay.model.llama import build_model
 from kvrelay.model.spec import ModelSpec
 from kvrelay.worker.batch_invariance import numerics
@@ -57,7 +58,7 @@ def kv_layout(spec: ModelSpec) -> str:
     """The cache layout's name in the compatibility fingerprint (and KVCacheSpec.layout)."""
     if spec.is_mla:
         return f"mla[bs,{spec.kv_lora_rank}+{spec.qk_rope_head_dim}]"
-    return "kv[2,Hkv,bs,D]"
+    return KVRELAY_LAYOUT
 
 
 def model_fingerprint(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> str:

@@ -7,7 +7,7 @@ the lookup channel, and tells it through the per-step metadata what to load and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvrelay.core.block_hash import hash_token_blocks
 from kvrelay.kv_transfer.offload.config import OffloadConfig
@@ -28,6 +28,29 @@ if TYPE_CHECKING:
     from kvrelay.kv_events.events import KVEvent
     from kvrelay.kv_transfer.offload.events import TierEvents
     from kvrelay.request import Request
+
+
+class PromptKeyer(Protocol):
+    """How a prompt's entries are keyed in the store."""
+
+    def request_keys(self, request: Request) -> PromptKeys:
+        """The keys of a request's prompt (its chunks, then its tail)."""
+
+    def token_keys(self, token_ids: list[int]) -> PromptKeys | None:
+        """The keys of a prompt known only by its tokens (None: this keyer needs more)."""
+
+
+class TokenKeyer:
+    """kvrelay's own keys: a chained hash of the prompt's tokens, rooted in the fingerprint."""
+
+    def __init__(self, chunk_tokens: int, fingerprint: str) -> None:
+        self.chunk_tokens, self.fingerprint = chunk_tokens, fingerprint
+
+    def request_keys(self, request: Request) -> PromptKeys:
+        return prompt_keys(request.prompt_token_ids, self.chunk_tokens, self.fingerprint)
+
+    def token_keys(self, token_ids: list[int]) -> PromptKeys | None:
+        return prompt_keys(token_ids, self.chunk_tokens, self.fingerprint)
 
 
 @dataclass
@@ -67,9 +90,8 @@ class OffloadScheduler:
         self._saves_unconfirmed = False  # saves handed out since the worker last had none pending
         self.tier_events = tier_events  # the tiers' KV events, when the engine publishes them
         self._events_due = False  # stores or loads handed out since the tiers' events were read
-
-    def _keys(self, token_ids: list[int]) -> PromptKeys:
-        return prompt_keys(token_ids, self.config.chunk_tokens, self.fingerprint)
+        # NOTE: replaceable once, right after construction (vLLM's adapter keys by vLLM's block hashes).
+        self.keyer: PromptKeyer = TokenKeyer(config.chunk_tokens, fingerprint)
 
     def _stored_tokens(self, keys: PromptKeys, num_stored_keys: int) -> int:
         """Prompt tokens covered by the leading `num_stored_keys` of `keys.all`."""
@@ -79,7 +101,7 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ admission
     def num_new_matched_tokens(self, request: Request, num_local: int) -> tuple[int, bool]:
-        keys = self._keys(request.prompt_token_ids)
+        keys = self.keyer.request_keys(request)
         answer = self.client.ask(["lookup", keys.all]) if keys.all else 0
         num_stored = answer if isinstance(answer, int) else 0
         # NOTE: a memo of the latest answer, overwritten on every call: calling again changes
@@ -94,7 +116,7 @@ class OffloadScheduler:
 
     def after_alloc(self, request: Request, block_ids: list[int], num_external: int) -> None:
         lookup = self._lookups.pop(request.request_id, _Lookup(0, 0))
-        keys = self._keys(request.prompt_token_ids)
+        keys = self.keyer.request_keys(request)
         num_stored_tokens = self._stored_tokens(keys, lookup.num_stored_keys)
         if num_external and lookup.num_local + num_external > num_stored_tokens:
             raise RuntimeError(f"request {request.request_id}: asked to load {num_external} tokens after "
@@ -137,7 +159,9 @@ class OffloadScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
-                keys = self._keys(new.prompt_token_ids)
+                keys = self.keyer.token_keys(new.prompt_token_ids)
+                if keys is None:
+                    continue  # a request this side never admitted, and cannot key: not stored
                 tracked = self._tracked[new.req_id] = _Tracked(keys, len(new.prompt_token_ids), [], 0,
                                                                tail_done=keys.tail is None,
                                                                token_ids=new.prompt_token_ids)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvrelay.kv_transfer.compat import kv_incompatibility
+from kvrelay.kv_transfer.layouts import convert_blocks
 from kvrelay.kv_transfer.p2p import security
 from kvrelay.kv_transfer.p2p.handshake import HandshakeAnswered, HandshakeReply, LocalIdentity
 from kvrelay.kv_transfer.p2p.results import LoadResults
@@ -207,7 +208,8 @@ class Puller:
             return (f"{where} is engine {reply.engine_id}, the params name {peer.engine_id} "
                     "(did the prefill instance restart?)")
         difference = kv_incompatibility(me.fingerprint, me.fingerprint_digest, me.tp_size,
-                                        reply.fingerprint, reply.fingerprint_digest, reply.tp_size)
+                                        reply.fingerprint, reply.fingerprint_digest, reply.tp_size,
+                                        convert_layouts=True)
         if difference is not None:
             return (f"{where} holds KV we cannot use ({difference}); pair the decode instance with a "
                     "prefill instance of the same model and --kv-cache-dtype")
@@ -253,6 +255,7 @@ class Puller:
             self._fail(pull, "P sent no checksums for its blocks")
             return
         pull.checksums = status.checksums
+        pull.source_layout = str(peer.reply.fingerprint.get("layout", "")) if peer.reply else ""
         self._keep_safe(pull, event.sent_at, status.remaining_s)
         self._start_read(pull)
 
@@ -330,6 +333,12 @@ class Puller:
                                "checksum; recovering per kv_load_failure_policy", spec.req_id, len(bad),
                                len(local), pull.source.p_rank)
                 request.invalid_block_ids.update(bad)
+        our_layout = str(self.identity.fingerprint.get("layout", ""))
+        if not pull.aborted and pull.source_layout and pull.source_layout != our_layout:
+            # NOTE: after the checksums, which cover P's bytes; the handshake allowed only a
+            # conversion layouts.py has, of whole blocks.
+            intact = [b for b in spec.local_block_ids if b not in request.invalid_block_ids]
+            convert_blocks(self.kv_layers, intact, pull.source_layout, our_layout)
         self._settle(pull, failed=False, count=False)
 
     def _settle(self, pull: RankPull, failed: bool, count: bool) -> None:

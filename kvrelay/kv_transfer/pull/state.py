@@ -58,6 +58,7 @@ class RankPull:
     aborted: bool = False
     failure: str = ""  # why a cancelling pull gave up
     release_on_settle: bool = False  # a cancelled read that does not complete must release P's lease
+    source_layout: str = ""  # the block layout of P's KV (layouts.py); converted once read
 
     @property
     def key(self) -> tuple[str, int]:
