@@ -27,6 +27,8 @@ def backends(kv_transfer: dict[str, Any] | None) -> tuple[FakeBackend, FakeBacke
     return FakeBackend("P", kv_transfer=kv_transfer), FakeBackend("D", kv_transfer=kv_transfer)
 
 
+# the hand-built app's refusal ends uvicorn's thread with SystemExit(3), as it ends the process
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_pull_proxy_refuses_to_start_before_push_instances_naming_both_modes_and_the_flag(
         capsys: pytest.CaptureFixture[str]) -> None:
     p, d = backends(PUSH)
