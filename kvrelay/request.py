@@ -53,8 +53,14 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in sync
     num_computed_tokens: int = 0
-    # Prompt tokens served from the local prefix cache / loaded through the connector at admission.
-    num_cached_tokens: int = -1
+    # At the first admission: the local prefix hit (-1 before it) and the tokens the connector
+    # offered on top of it. vLLM's PrefillStats count the same two.
+    num_local_cached_tokens: int = -1
+    num_external_cached_tokens: int = 0
+    # D of a P/D pair: P's own cache hit on this prompt, from P's kv_transfer_params (vLLM's
+    # remote_prefill_cached_tokens); the usage reports it instead of the transfer D loaded.
+    remote_prefill_cached_tokens: int | None = None
+    # Tokens that arrived from outside (loads that settled), for the stats.
     num_external_tokens: int = 0
     # External tokens loaded synchronously whose step has not been confirmed yet (for stats).
     num_external_unconfirmed: int = 0
@@ -70,6 +76,20 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        params = self.kv_transfer_params or {}
+        cached = params.get("remote_prefill_cached_tokens")
+        if params.get("do_remote_prefill") and isinstance(cached, int) and not isinstance(cached, bool):
+            self.remote_prefill_cached_tokens = cached
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens this request did not compute, as vLLM reports them (usage's
+        prompt_tokens_details.cached_tokens): the local prefix hit plus the tokens a connector
+        offered at the first admission (an offload hit, a P/D load), or P's own hit when P
+        computed the prompt and said so."""
+        if self.remote_prefill_cached_tokens is not None:
+            return self.remote_prefill_cached_tokens
+        return max(self.num_local_cached_tokens, 0) + self.num_external_cached_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -54,7 +54,7 @@ class RemoteKVTracker:
         req.num_computed_tokens = min(valid, req.num_tokens - 1)
         # Count what the load saved, as a synchronous load does: the recomputed last token is
         # counted as computed, so computed + cached + external adds up to the prompt.
-        num_loaded = max(0, req.num_computed_tokens - max(req.num_cached_tokens, 0))
+        num_loaded = max(0, req.num_computed_tokens - max(req.num_local_cached_tokens, 0))
         req.num_external_tokens += num_loaded
         req.status = RequestStatus.WAITING
         return num_loaded

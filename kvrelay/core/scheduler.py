@@ -126,6 +126,12 @@ class Scheduler:
             if report:
                 self._pending_outputs.append(self._make_output(req, [], [], params))
 
+    def release_refused(self, request: Request) -> None:
+        """A request refused before it was added (it cannot run here) is finished for the
+        connector alone, which may owe a remote instance a release (D: the prompt's KV P holds)."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.connector.request_finished(request, [])
+
     # ----------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -241,8 +247,8 @@ class Scheduler:
         # the connector like a new admission (it could start a second transfer).
         if looked_up:
             self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_external)
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_local
+        if req.num_local_cached_tokens < 0:  # the first admission
+            req.num_local_cached_tokens, req.num_external_cached_tokens = num_local, num_external
             self.stats.prompt_tokens_cached += num_local
         if load_async:
             self.remote.start_waiting(req, num_local, num_external)
@@ -351,6 +357,9 @@ class Scheduler:
         in-flight load keeps them until it settles. Returns the connector's kv_transfer_params."""
         req_id = req.request_id
         delay_free, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(req_id))
+        if params is not None and params.get("do_remote_prefill"):
+            # NOTE: vLLM's field: D reports P's cache hit in its usage, not the KV it loaded.
+            params = {**params, "remote_prefill_cached_tokens": req.num_cached_tokens}
         if req_id in self._runner_known or req.num_preemptions:
             self._finished_req_ids.add(req_id)
         self._runner_known.pop(req_id, None)
@@ -426,7 +435,7 @@ class Scheduler:
         return EngineCoreOutput(
             request_id=req.request_id, new_token_ids=list(new_ids), new_logprobs=logprobs,
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            kv_transfer_params=params, num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_transfer_params=params, num_cached_tokens=req.num_cached_tokens,
             error=req.error)
 
     # ----------------------------------------------------------------------------- misc

@@ -10,8 +10,9 @@
 Every route needs `Authorization: Bearer <admin key>` (`--admin-key` or KVRELAY_ADMIN_KEY); with
 no key set, the admin API is off (403). Errors are OpenAI-shaped and name the problem:
 400 bad body, role, URL or address; 401 missing or wrong key; 404 unknown instance; 409 already
-a member, already draining, or the last active instance of its role (pass "force": true);
-502 the instance does not answer its health check.
+a member, already draining, the last active instance of its role (pass "force": true), or an
+instance whose transfer mode is not the proxy's; 502 the instance does not answer its health
+check.
 """
 
 from __future__ import annotations
@@ -24,26 +25,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvrelay.disagg.backends import ROLES, check_url
+from kvrelay.disagg.instance_info import TransferModeError
 from kvrelay.disagg.pool_manager import PoolManager
 from kvrelay.disagg.push_mode import parse_kv_address
+from kvrelay.entrypoints.openai_errors import error_response
 from kvrelay.kv_events.subscriber import StreamAddress
 
 _ADD_KEYS = {"role", "url", "kv_address", "kv_events"}
 _DRAIN_KEYS = {"url", "force"}
 _EVENT_KEYS = {"endpoint", "replay_endpoint", "topic"}
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-          404: "NotFoundError", 409: "ConflictError", 502: "BadGatewayError"}
 
 
 class AdminError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": None,
-                                   "code": status}}, status_code=status)
 
 
 class AdminAPI:
@@ -83,6 +79,8 @@ class AdminAPI:
             backend = await self.manager.add(role, url, kv_address, events)
         except KeyError as e:
             raise AdminError(409, str(e.args[0])) from None
+        except TransferModeError as e:
+            raise AdminError(409, str(e)) from None
         except ConnectionError as e:
             raise AdminError(502, str(e)) from None
         return {"instance": self.manager.describe(backend)}

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kvrelay.disagg.instance_info import ModelCard
 from kvrelay.disagg.routing.kv_index import rank_key
 from kvrelay.disagg.routing.policies import Decision, LeastLoaded, RoutingPolicy
 from kvrelay.disagg.routing.prompt import PromptBlocks
@@ -55,6 +56,7 @@ class Backend:
     # Where its other data-parallel ranks publish, by rank (empty: one rank, or not known).
     rank_events: dict[int, StreamAddress] = field(default_factory=dict)
     engine: str | None = None  # "kvrelay", "vllm" or "unknown", once asked (routing/instances.py)
+    info: ModelCard | None = None  # what its GET /v1/models said at join (instance_info.py); None: not yet
 
     @property
     def index_keys(self) -> tuple[str, ...]:

@@ -87,13 +87,12 @@ class Connections:
         fresh_limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
         pooled = transport or httpx.AsyncHTTPTransport(limits=limits)
         fresh = transport or httpx.AsyncHTTPTransport(limits=fresh_limits)
-        checks = transport or httpx.AsyncHTTPTransport(limits=fresh_limits)
         # NOTE: no env proxies (trust_env=False): requests go straight to the instances.
         self.pooled = httpx.AsyncClient(transport=_Watched(pooled, on_bytes), timeout=timeout,
                                         trust_env=False)
         self.fresh = httpx.AsyncClient(transport=_Watched(fresh, on_bytes), timeout=timeout,
                                        trust_env=False)
-        self.checks = httpx.AsyncClient(transport=checks, timeout=timeout, trust_env=False)
+        self.checks = checks_client(max_connections, timeout, transport)
         self._on_stale = on_stale
 
     async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
@@ -115,6 +114,15 @@ class Connections:
     async def aclose(self) -> None:
         for client in (self.pooled, self.fresh, self.checks):
             await client.aclose()
+
+
+def checks_client(max_connections: int, timeout: httpx.Timeout,
+                  transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The client for checks: a new connection per request, no env proxies (`transport`: as
+    in Connections). `kvrelay proxy` asks its instances what they run with one before it serves."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
+    return httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(limits=limits),
+                             timeout=timeout, trust_env=False)
 
 
 class _Watched(httpx.AsyncBaseTransport):

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import httpx
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvrelay.disagg.backends import Backend
 from kvrelay.disagg.routing.policies import Decision
+from kvrelay.entrypoints.openai_errors import error_response
 
 # What the prefill leg asks of P: compute the prompt, keep its KV for a remote decoder.
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -57,18 +58,20 @@ def decode_body(body: dict[str, Any], request_id: str,
     return leg
 
 
-def openai_error(status: int, message: str, error_type: str = "proxy_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": error_type, "param": None,
-                                   "code": status}}, status_code=status)
+def openai_error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """The proxy's own error answers, shaped exactly as `kvrelay serve`'s."""
+    return error_response(status, message, param)
 
 
 class Prefilled(NamedTuple):
     """What the prefill leg gave: D's kv_transfer_params (None: D prefills alone), P's answer
-    when it is already the final one, and the P whose KV the decode leg reads."""
+    when it is already the final one, the P whose KV the decode leg reads, and P's refusal of a
+    request the client got wrong (a 4xx: the client's answer, no decode leg)."""
 
     params: dict[str, Any] | None
     final_answer: dict[str, Any] | None = None
     source: Backend | None = None
+    refusal: Response | None = None
 
 
 @dataclass

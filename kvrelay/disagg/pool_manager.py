@@ -2,7 +2,9 @@
 
     members    instances join (`add`: it must answer /health first) and leave (`drain`: no new
                legs, removed once nothing in flight needs it, including decode legs still
-               reading a prefill instance's KV)
+               reading a prefill instance's KV). At join the proxy asks what each one runs
+               (instance_info.py, on the checks' connections) and refuses one whose transfer
+               mode is not its own: at start, through `add`, or when it first answers a check
     health     every `health_interval` seconds each instance's /health is asked, on a
                connection of its own: a refused connection or an error status takes it out of
                routing at once, so does a leg that cannot connect; timeouts count as far as it
@@ -27,8 +29,9 @@ from typing import Any
 import httpx
 
 from kvrelay.disagg.backends import Backend, BackendPool, InstanceState, NoInstanceError
-from kvrelay.disagg.connections import Connections, origin
+from kvrelay.disagg.connections import Connections, checks_client, origin
 from kvrelay.disagg.health import CheckResult, DownCause, check_health, failure_reason, timeout_weight
+from kvrelay.disagg.instance_info import TransferModeError, fetch_instance_info, mismatch, refusal
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.push_mode import check_push_config
 from kvrelay.disagg.routing.instances import discover
@@ -78,10 +81,11 @@ class PoolManager:
 
     async def start(self, connections: Connections) -> None:
         self._connections = connections
+        await self.learn_instances()
         if self.index is not None and self.subscriber is None:
             self.subscriber = KVEventSubscriber(self.index)
-        for backend in self.members():
-            await self._track_index(backend)
+        silent = [b for b in self.members() if await self._track_index(b)]
+        _say_no_events(silent)
         if self.config.health_interval > 0:
             self._tasks.append(asyncio.ensure_future(self._health_loop()))
 
@@ -107,10 +111,17 @@ class PoolManager:
         result = await self.check(url)
         if not result.healthy:
             raise ConnectionError(f"{url} did not answer its health check: {result.error}")
+        info = await fetch_instance_info(self.connections.checks, url, self._auth_headers(),
+                                         self.config.health_timeout)
+        problem = mismatch(role, url, info, self.config.transfer_mode) if info else None
+        if problem is not None:
+            raise TransferModeError(refusal([problem], self.config.transfer_mode, joining=True))
         self._refuse_member(url)  # again: another add may have won while we waited
         backend = pool.add(url, kv_address=kv_address, events=events)
+        backend.info = info
         self._by_origin.clear()
-        await self._track_index(backend)
+        if await self._track_index(backend):
+            _say_no_events([backend])
         logger.info("%s instance %s joined the pool", role, url)
         return backend
 
@@ -144,6 +155,29 @@ class PoolManager:
                 self._untrack_index(backend)
                 self._by_origin.clear()
                 logger.info("%s instance %s left the pool", backend.role, backend.url)
+
+    async def learn_instances(self, client: httpx.AsyncClient | None = None) -> None:
+        """Ask every member what it runs (with `client`, else the checks' connections: a
+        question the proxy asks on its own). TransferModeError naming each one that runs another
+        transfer mode than this proxy; one that does not answer is asked again when it does."""
+        answers = await asyncio.gather(*(self._learn(b, client) for b in self.members()))
+        problems = [problem for problem in answers if problem is not None]
+        if problems:
+            raise TransferModeError(refusal(problems, self.config.transfer_mode))
+
+    async def _learn(self, backend: Backend, client: httpx.AsyncClient | None = None) -> str | None:
+        info = await fetch_instance_info(client or self.connections.checks, backend.url,
+                                         self._auth_headers(), self.config.health_timeout)
+        if info is None:
+            return None
+        backend.info = info
+        return mismatch(backend.role, backend.url, info, self.config.transfer_mode)
+
+    def _refuse(self, backend: Backend, problem: str) -> None:
+        """Take a member that runs another transfer mode out of the pool."""
+        logger.error("%s; it leaves the pool", refusal([problem], self.config.transfer_mode, joining=True))
+        if backend.state is not InstanceState.DRAINING:
+            self.pools[backend.role].drain(backend.url)
 
     def mark_down(self, backend: Backend, cause: DownCause) -> None:
         """Out of routing until a health check answers; logged with its cause, counted by reason."""
@@ -220,10 +254,16 @@ class PoolManager:
     async def _apply_check(self, backend: Backend, result: CheckResult, started: float) -> None:
         if result.healthy:
             backend.health_failures, backend.missed_checks = 0, 0.0
+            if backend.info is None or backend.state is InstanceState.DOWN:  # new, or maybe restarted
+                problem = await self._learn(backend)
+                if problem is not None:
+                    self._refuse(backend, problem)
+                    return
             if backend.state is InstanceState.DOWN:
                 backend.state = InstanceState.ACTIVE
                 logger.info("%s instance %s answers again: back in the pool", backend.role, backend.url)
-                await self._track_index(backend)  # it may have restarted with an empty cache
+                if await self._track_index(backend):  # it may have restarted with an empty cache
+                    _say_no_events([backend])
             elif backend.events is None and self.index is not None:
                 await self._track_index(backend)  # it did not say where it publishes: ask again
             return
@@ -250,30 +290,29 @@ class PoolManager:
 
     # ------------------------------------------------------------------ KV events
 
-    async def _track_index(self, backend: Backend) -> None:
+    async def _track_index(self, backend: Backend) -> bool:
         """Start the instance's index empty and follow its events (asking the instance what
-        it is, and where it publishes if nobody said so)."""
+        it is, and where it publishes if nobody said so). True when it was just found to
+        publish none (the caller says so: _say_no_events)."""
         if self.index is None or self.subscriber is None:
-            return
-        info = await discover(self.connections.checks, backend.url, self._auth_headers(),
-                              self.config.health_timeout, self.config.hash_settings)
-        backend.engine = info.engine
+            return False
+        found = await discover(self.connections.checks, backend.url, self._auth_headers(),
+                               self.config.health_timeout, self.config.hash_settings)
+        backend.engine = found.engine
         asked_before = self.index.status(backend.url).reason == "no events endpoint"
         if backend.events is None:
-            backend.events, backend.rank_events = info.events, info.rank_events
+            backend.events, backend.rank_events = found.events, found.rank_events
             if backend.events is None and asked_before:
-                return  # asked before, still nothing: keep the entry (and the log quiet)
-        if backend.events is None:
-            logger.warning("%s (%s) publishes no KV events: kv-aware routing weighs it by load alone",
-                           backend.url, info.engine)
-        self.index.track(backend.url, subscribed=backend.events is not None, block_size=info.block_size,
-                         schemes=info.schemes)
+                return False  # asked before, still nothing: keep the entry (and the log quiet)
+        self.index.track(backend.url, subscribed=backend.events is not None, block_size=found.block_size,
+                         schemes=found.schemes)
         if backend.events is not None:
             self.subscriber.add(backend.url, backend.events)
         for dp_rank, address in backend.rank_events.items():  # (instance, rank): one entry each
-            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=info.block_size,
-                             schemes=info.schemes)
+            self.index.track(rank_key(backend.url, dp_rank), subscribed=True, block_size=found.block_size,
+                             schemes=found.schemes)
             self.subscriber.add(rank_key(backend.url, dp_rank), address)
+        return backend.events is None
 
     def _untrack_index(self, backend: Backend) -> None:
         if self.index is not None and self.subscriber is not None:
@@ -311,3 +350,23 @@ class PoolManager:
                                    "replay_endpoint": backend.events.replay_endpoint,
                                    "topic": backend.events.topic}
         return report
+
+
+async def check_instances(config: ProxyConfig) -> None:
+    """What `kvrelay proxy` asks before it serves: TransferModeError if an instance runs another
+    transfer mode (the app's start asks again, for those who build it themselves)."""
+    timeout = httpx.Timeout(config.decode_timeout, connect=config.connect_timeout)
+    async with checks_client(config.max_connections, timeout) as client:
+        await PoolManager(config).learn_instances(client)
+
+
+def _say_no_events(backends: list[Backend]) -> None:
+    """One line for every instance found to publish no KV events, with what turns them on."""
+    if not backends:
+        return
+    named = ", ".join(f"{b.url} ({b.engine})" if b.engine else b.url for b in backends)
+    logger.info("kv-aware routing weighs %s by load alone: %s no KV events. To route by cached prefix, "
+                "start each instance (`kvrelay serve`, or vLLM) with --kv-events-config "
+                "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:PORT\"}' (a free PORT each); "
+                "another engine's endpoint is given to the admin API (docs/routing.md)",
+                named, "it publishes" if len(backends) == 1 else "they publish")

@@ -23,10 +23,13 @@ client's n and its choices share the loaded KV through its prefix cache. A list 
 Both legs carry the same request id (body `request_id`, header `X-Request-Id`; `<id>-<k>` for
 prompt k of a list). When the prefill leg cannot help (no P, P down, slow, erroring, or
 answering without kv_transfer_params) the client's body goes to D alone and D prefills locally:
-a fallback, counted in /metrics by reason. A decode leg that cannot connect is sent to another
-D. A client that disconnects closes the decode leg, which aborts the request on D. A leg that
-went out on a stale keep-alive connection is sent again on a fresh one (connections.py), and a
-request that finds every instance of a role down asks them again before giving up on it.
+a fallback, counted in /metrics by reason (the leg itself: prefill_leg.py). What the client got
+wrong is not a fallback: P's 4xx for it is the client's answer, and a max_tokens D's context
+cannot hold is refused before P computes (client_errors.py). A decode leg that cannot connect is
+sent to another D. A client that disconnects closes the decode leg, which aborts the request on
+D. A leg that went out on a stale keep-alive connection is sent again on a fresh one
+(connections.py), and a request that finds every instance of a role down asks them again before
+giving up on it.
 
 The field names are vLLM's, so the proxy also fronts vLLM instances (routed by their own KV
 events: docs/routing.md). With no prefill instance there is no P/D: each request goes whole to
@@ -36,9 +39,7 @@ one decode instance, chosen as a prefill leg would be (it computes the prompt).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -49,9 +50,10 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvrelay.disagg import prefill_answer, prompt_list, proxy_lists
+from kvrelay.disagg import prefill_answer, prefill_leg, prompt_list, proxy_lists
 from kvrelay.disagg.admin import AdminAPI, add_admin_routes
 from kvrelay.disagg.backends import Backend, NoInstanceError
+from kvrelay.disagg.client_errors import context_refusal, passed_on
 from kvrelay.disagg.connections import Connections
 from kvrelay.disagg.legs import (
     PREFILL_KV_TRANSFER_PARAMS,
@@ -65,16 +67,15 @@ from kvrelay.disagg.legs import (
 from kvrelay.disagg.pool_manager import PoolManager
 from kvrelay.disagg.proxy_config import ProxyConfig
 from kvrelay.disagg.proxy_metrics import ProxyMetrics
-from kvrelay.disagg.push_mode import push_decode_params, push_prefill_params
+from kvrelay.disagg.push_mode import push_decode_params
 from kvrelay.disagg.routing import Decision, PromptBlocks, PromptReader
-from kvrelay.disagg.routing.kv_index import rank_key
+from kvrelay.entrypoints.openai_errors import APIError, add_error_handlers, read_json_object
 
 __all__ = ["PREFILL_KV_TRANSFER_PARAMS", "DisaggProxy", "ProxyConfig", "build_app", "decode_body",
            "prefill_body"]
 
 logger = logging.getLogger(__name__)
 
-DP_RANK_HEADER = "X-data-parallel-rank"  # which data-parallel rank of an instance answered (vLLM's name)
 
 class DisaggProxy:
     """State shared by every request: the pools, one HTTP client, the metrics."""
@@ -96,7 +97,11 @@ class DisaggProxy:
             self.config.max_connections, self.config.keepalive_expiry, timeout,
             on_bytes=self.manager.note_bytes,
             on_stale=lambda source: self.metrics.stale_retries.labels(backend=source).inc())
-        await self.manager.start(self._connections)
+        try:
+            await self.manager.start(self._connections)
+        except BaseException:  # an instance refused (another transfer mode): nothing is left open
+            await self.close()
+            raise
         urls = [b.url for b in self.manager.members()]
         probe_headers = self.headers("kvrelay-tokenizer-check")
         if not await self.prompts.agrees_with(self.connections.checks, urls, probe_headers,
@@ -152,14 +157,10 @@ class DisaggProxy:
     async def generate(self, request: Request, route: str) -> Response:
         self.metrics.requests.labels(route=route).inc()
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = await read_json_object(request)
+        except APIError as e:
             self.metrics.errors.labels(kind="bad_request").inc()
-            return openai_error(400, f"request body is not valid JSON: {e}", "BadRequestError")
-        if not isinstance(body, dict):
-            self.metrics.errors.labels(kind="bad_request").inc()
-            return openai_error(400, f"request body must be a JSON object, got {type(body).__name__}",
-                                "BadRequestError")
+            return openai_error(e.status, e.message, e.param)
         request_id = f"kvrelay-{uuid.uuid4().hex}"
         client_headers = httpx.Headers(dict(request.headers))
         prompts = prompt_list.split_prompts(route, body)
@@ -168,7 +169,12 @@ class DisaggProxy:
                                                    client_headers)
         headers = self.headers(request_id, client_headers)
         prompt = await self.read_prompt(route, body)
+        unfit = self.refuse_unfit(route, body, prompt)
+        if unfit is not None:
+            return unfit
         prefilled = await self.prefill_or_push(route, body, request_id, headers, prompt)
+        if prefilled.refusal is not None:
+            return prefilled.refusal
         if prefilled.final_answer is not None:
             return self._answer_from_prefill(route, body, prefilled.final_answer, request_id)
         if await request.is_disconnected():
@@ -176,6 +182,18 @@ class DisaggProxy:
             return Response(status_code=499)
         return await self._decode(route, decode_body(body, request_id, prefilled.params), request_id,
                                   headers, prompt, prefilled.source)
+
+    def refuse_unfit(self, route: str, body: dict[str, Any], prompt: PromptBlocks) -> Response | None:
+        """D's refusal of a prompt and max_tokens its context cannot hold, before P computes
+        (client_errors.py); where the proxy cannot tell, D refuses, releasing P's KV at once."""
+        error = context_refusal(route, body, prompt.token_ids, self.decode.candidates())
+        if error is None:
+            return None
+        self.count_client_error("proxy", error.status)
+        return openai_error(error.status, error.message, error.param)
+
+    def count_client_error(self, by: str, status: int) -> None:
+        self.metrics.client_errors.labels(by=by, status=str(status)).inc()
 
     def _answer_from_prefill(self, route: str, body: dict[str, Any], answer: dict[str, Any],
                              request_id: str) -> Response:
@@ -200,103 +218,13 @@ class DisaggProxy:
             return Prefilled(None)
         self.count_decision("prefill", decision)
         if self.config.transfer_mode == "pull":
-            return await self._prefill(decision, route, body, request_id, headers, prompt)
+            return await prefill_leg.pull(self, decision, route, body, request_id, headers, prompt)
         self.prefill.start_leg(decision)
-        task = asyncio.ensure_future(self._push_prefill_leg(decision, route, body, request_id, headers))
+        task = asyncio.ensure_future(prefill_leg.push(self, decision, route, body, request_id, headers))
         self._prefill_tasks.add(task)
         task.add_done_callback(self._prefill_tasks.discard)
         assert decision.backend.kv_address is not None  # PoolManager/admin insist on it in push mode
         return Prefilled(push_decode_params(request_id, decision.backend.kv_address))
-
-    async def _push_prefill_leg(self, decision: Decision, route: str, body: dict[str, Any], request_id: str,
-                                headers: dict[str, str]) -> None:
-        """P's leg of a push; its answer is discarded. A failure is D's to recover from."""
-        backend = decision.backend
-        try:
-            leg = {**prefill_body(body, request_id), "kv_transfer_params": push_prefill_params(request_id)}
-            with self.metrics.prefill_seconds.time():
-                response = await asyncio.wait_for(self.post(backend.url + route, leg, headers),
-                                                  timeout=self.config.prefill_timeout)
-            outcome = "ok" if response.status_code == 200 else f"http_{response.status_code}"
-        except (TimeoutError, httpx.TimeoutException):
-            outcome = "timeout"
-        except httpx.TransportError as e:
-            self.manager.leg_failed(backend, "prefill leg", e)
-            outcome = "unreachable"
-        finally:
-            self.prefill.end_leg(decision)
-            self.manager.reap()
-        self.metrics.legs.labels(leg="prefill", backend=backend.url,
-                                 outcome="ok" if outcome == "ok" else "fallback").inc()
-        if outcome != "ok":
-            self.metrics.fallbacks.labels(reason=outcome).inc()
-            logger.warning("request %s: push prefill leg to %s gave %s; D prefills alone once it sees "
-                           "no progress", request_id, backend.url, outcome)
-
-    async def _prefill(self, decision: Decision, route: str, body: dict[str, Any], request_id: str,
-                       headers: dict[str, str], prompt: PromptBlocks) -> Prefilled:
-        """Run the prefill leg on the chosen P; a fallback (no params) is counted by reason."""
-        backend = decision.backend
-        index = self.manager.index
-        started_at = time.monotonic()
-        self.prefill.start_leg(decision)
-        if index is not None and len(backend.index_keys) == 1:  # with ranks, P picks one: unknown yet
-            index.expect(backend.url, request_id, prompt)
-        try:
-            with self.metrics.prefill_seconds.time():
-                outcome, answer, dp_rank = await self._post_prefill(backend, route, body, request_id, headers)
-        finally:
-            self.prefill.end_leg(decision)
-        prompt_tokens, cached = _usage_tokens(answer)
-        if index is not None:  # on the entry of the rank that answered, when P has several
-            key = backend.url if len(backend.index_keys) == 1 else rank_key(backend.url, dp_rank)
-            index.settle(key, request_id, started_at, prompt_tokens, cached)
-        if decision.predicted_hit_tokens is not None and cached is not None:
-            self.metrics.observe_prefix_hit(decision.predicted_hit_tokens, cached)
-        self.manager.reap()
-        return self._prefill_result(backend, outcome, answer, body, request_id)
-
-    def _prefill_result(self, backend: Backend, outcome: str, answer: dict[str, Any] | None,
-                        body: dict[str, Any], request_id: str) -> Prefilled:
-        if answer is not None and prefill_answer.can_answer_from_prefill(body, answer):
-            self.metrics.legs.labels(leg="prefill", backend=backend.url, outcome="final").inc()
-            return Prefilled(None, final_answer=answer)
-        params = answer.get("kv_transfer_params") if answer is not None else None
-        if not isinstance(params, dict) or not params:
-            params = None
-            outcome = "no_kv_transfer_params" if outcome == "ok" else outcome
-        self.metrics.legs.labels(leg="prefill", backend=backend.url,
-                                 outcome="ok" if params is not None else "fallback").inc()
-        if params is None:
-            self.metrics.fallbacks.labels(reason=outcome).inc()
-            log = logger.info if outcome == "no_kv_transfer_params" else logger.warning
-            log("request %s: prefill leg to %s gave %s; decoding on D alone", request_id, backend.url,
-                outcome)
-            return Prefilled(None)
-        return Prefilled(params, source=backend)
-
-    async def _post_prefill(self, backend: Backend, route: str, body: dict[str, Any], request_id: str,
-                            headers: dict[str, str]) -> tuple[str, dict[str, Any] | None, int]:
-        """(outcome, P's answer, the data-parallel rank that answered): the answer is None unless
-        P answered 200 with a JSON object; the rank is 0 unless P names another one."""
-        try:
-            response = await asyncio.wait_for(
-                self.post(backend.url + route, prefill_body(body, request_id), headers),
-                timeout=self.config.prefill_timeout)
-        except (TimeoutError, httpx.TimeoutException):
-            return "timeout", None, 0
-        except httpx.TransportError as e:
-            self.manager.leg_failed(backend, "prefill leg", e)
-            return "unreachable", None, 0
-        rank = response.headers.get(DP_RANK_HEADER, "0")
-        dp_rank = int(rank) if rank.isdigit() else 0
-        if response.status_code != 200:
-            return f"http_{response.status_code}", None, dp_rank
-        try:
-            answer = response.json()
-        except ValueError:
-            return "bad_response", None, dp_rank
-        return ("ok", answer, dp_rank) if isinstance(answer, dict) else ("bad_response", None, dp_rank)
 
     # ------------------------------------------------------------------ decode leg
 
@@ -340,13 +268,11 @@ class DisaggProxy:
     async def _refused(self, leg: DecodeLeg, request_id: str) -> Response:
         upstream = leg.upstream
         try:
-            content = await upstream.aread()
+            await upstream.aread()
         finally:
             await self.close_leg(leg, "error")
         self.metrics.errors.labels(kind=f"decode_http_{upstream.status_code}").inc()
-        return Response(content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type", "application/json"),
-                        headers={REQUEST_ID_HEADER: request_id})
+        return passed_on(upstream, request_id)
 
     async def _decode(self, route: str, body: dict[str, Any], request_id: str, headers: dict[str, str],
                       prompt: PromptBlocks, source: Backend | None) -> Response:
@@ -432,18 +358,6 @@ class DisaggProxy:
         return report
 
 
-def _usage_tokens(answer: dict[str, Any] | None) -> tuple[int | None, int | None]:
-    """P's usage: its prompt tokens, and the prefix of them its cache served."""
-    usage = answer.get("usage") if answer is not None else None
-    if not isinstance(usage, dict):
-        return None, None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt_tokens = usage.get("prompt_tokens")
-    return (prompt_tokens if isinstance(prompt_tokens, int) else None,
-            cached if isinstance(cached, int) else None)
-
-
 def build_app(config: ProxyConfig) -> FastAPI:
     """The proxy as an ASGI app (run it with uvicorn, or `kvrelay proxy`)."""
     proxy = DisaggProxy(config)
@@ -458,6 +372,7 @@ def build_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvrelay P/D proxy", lifespan=lifespan)
     app.state.proxy = proxy
+    add_error_handlers(app)
     add_admin_routes(app, AdminAPI(proxy.manager, config.admin_key))
 
     @app.post("/v1/completions")

@@ -78,11 +78,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
 
     import uvicorn
 
     from kvrelay import env
+    from kvrelay.disagg.pool_manager import check_instances
     from kvrelay.disagg.proxy import ProxyConfig, build_app
 
     if args.prefill_timeout <= 0:
@@ -102,6 +104,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
                          keepalive_expiry=args.keepalive_expiry,
                          vllm_prefix_caching_hash_algo=args.vllm_prefix_caching_hash_algo,
                          vllm_pythonhashseed=args.vllm_pythonhashseed)
+    asyncio.run(check_instances(config))  # another transfer mode: one line, exit 2
     app: Any = build_app(config)
     if client_key is not None:
         from kvrelay.entrypoints.auth import RequireAPIKey

@@ -35,6 +35,8 @@ class LegsProxy(Protocol):
 
     async def read_prompt(self, route: str, body: dict[str, Any]) -> PromptBlocks: ...
 
+    def refuse_unfit(self, route: str, body: dict[str, Any], prompt: PromptBlocks) -> Response | None: ...
+
     async def prefill_or_push(self, route: str, body: dict[str, Any], request_id: str,
                               headers: dict[str, str], prompt: PromptBlocks) -> Prefilled: ...
 
@@ -56,8 +58,15 @@ async def generate_list(proxy: LegsProxy, request: Request, route: str, body: di
     bodies = [{**body, "prompt": prompt} for prompt in prompts]
     headers = [proxy.headers(rid, client_headers) for rid in ids]
     blocks = await asyncio.gather(*(proxy.read_prompt(route, b) for b in bodies))
+    for prompt_body, prompt in zip(bodies, blocks, strict=True):
+        unfit = proxy.refuse_unfit(route, prompt_body, prompt)
+        if unfit is not None:
+            return unfit
     prefilled = await asyncio.gather(*(proxy.prefill_or_push(route, b, rid, h, p)
                                        for b, rid, h, p in zip(bodies, ids, headers, blocks, strict=True)))
+    refused = [pre.refusal for pre in prefilled if pre.refusal is not None]
+    if refused:  # NOTE: the prompts P did compute are freed when their leases run out
+        return refused[0]
     if await request.is_disconnected():
         proxy.metrics.errors.labels(kind="client_disconnected").inc()
         return Response(status_code=499)

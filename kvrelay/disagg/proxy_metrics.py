@@ -24,8 +24,12 @@ class ProxyMetrics:
 
     kvrelay_proxy_requests_total{route}                client requests received
     kvrelay_proxy_legs_total{leg, backend, outcome}    prefill legs: ok | fallback | final (P's
-                                                       token ended the answer: no decode leg);
-                                                       decode legs: ok | error | cancelled
+                                                       token ended the answer: no decode leg) |
+                                                       client_error (P refused what the client
+                                                       sent); decode legs: ok | error | cancelled
+    kvrelay_proxy_client_errors_total{by, status}      requests answered with a client error and
+                                                       no decode leg: P's refusal (by="prefill"), or
+                                                       the proxy's context check (by="proxy")
     kvrelay_proxy_fallbacks_total{reason}              requests decoded on D alone, by why:
                                                        unreachable | timeout | http_<status> |
                                                        bad_response | no_kv_transfer_params |
@@ -72,6 +76,9 @@ class ProxyMetrics:
                                  ["reason"], registry=self.registry)
         self.errors = Counter("kvrelay_proxy_errors", "Errors seen by the proxy, by kind",
                               ["kind"], registry=self.registry)
+        self.client_errors = Counter("kvrelay_proxy_client_errors",
+                                     "Requests answered with a client error and no decode leg",
+                                     ["by", "status"], registry=self.registry)
         self.prefill_seconds = Histogram(
             "kvrelay_proxy_prefill_seconds", "Duration of the prefill leg", registry=self.registry,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))

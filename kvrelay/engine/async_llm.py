@@ -89,6 +89,13 @@ class _Abort:
 
 
 @dataclass
+class _Release:
+    """Free the KV a prefill instance holds for a request refused before the engine saw it."""
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any]
+
+
+@dataclass
 class _Call:
     """Run `fn(engine)` between two steps; its result (or error) goes to `future`."""
     fn: Callable[[LLMEngine], Any]
@@ -107,7 +114,7 @@ class AsyncLLM:
         self.engine = engine
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
-        self._commands: queue.Queue[_Add | _Abort | _Call | _Stop] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _Release | _Call | _Stop] = queue.Queue()
         self._open: dict[str, _Stream] = {}  # loop thread only: requests in flight, by id
         self._listeners: list[StatsListener] = []
         self._stats: dict[str, Any] = engine.get_stats()
@@ -158,6 +165,12 @@ class AsyncLLM:
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate_prompt(token_ids)
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def release_remote_kv(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any]) -> None:
+        """A request refused before it reached the engine frees the KV a prefill instance holds
+        for it (LLMEngine.release_remote_kv, on the engine thread). Nothing when the engine is gone."""
+        if self.is_alive:
+            self._commands.put(_Release(list(prompt_token_ids), dict(kv_transfer_params)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (its stream then ends with finish_reason "abort")."""
@@ -290,7 +303,7 @@ class AsyncLLM:
         self._publish_stats()  # admissions and aborts change the counts even without a step
         return True
 
-    def _wait_for_command(self) -> _Add | _Abort | _Call | _Stop:
+    def _wait_for_command(self) -> _Add | _Abort | _Release | _Call | _Stop:
         """Block for the next command, checking the workers while none comes (WorkerFailedError,
         and the thread's crash path, when one died)."""
         while True:
@@ -299,7 +312,10 @@ class AsyncLLM:
             except queue.Empty:
                 self.engine.check_health()
 
-    def _handle(self, command: _Add | _Abort | _Call) -> None:
+    def _handle(self, command: _Add | _Abort | _Release | _Call) -> None:
+        if isinstance(command, _Release):
+            self.engine.release_remote_kv(command.prompt_token_ids, command.kv_transfer_params)
+            return
         if isinstance(command, _Call):
             _run_call(command, self.engine)
             return

@@ -205,6 +205,14 @@ class DataParallelLLM:
         decision = self._policies[role].choose(up, prompt)
         return self._leg(decision.backend, prompt, decision.compute_tokens)
 
+    def release_remote_kv(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any]) -> None:
+        """A request refused before any rank saw it frees the KV a prefill instance holds for
+        it, through the first rank that is up: every rank's connector tells P alike (each is a
+        whole decode instance of the same TP size). Nothing when every rank is down."""
+        up = next((rank.llm for rank in self._ranks if rank.llm.dead_reason is None), None)
+        if up is not None:
+            up.release_remote_kv(prompt_token_ids, kv_transfer_params)
+
     def _leg(self, rank: Rank, prompt: PromptBlocks, compute_tokens: int) -> RankLeg:
         return RankLeg(rank, self.index, prompt, compute_tokens, f"leg-{next(self._legs)}")
 

@@ -198,6 +198,15 @@ class LLMEngine:
                              f"(max_model_len) is {self.max_model_len}: at most {self.max_model_len - 1} "
                              "prompt tokens leave room for one output token")
 
+    def release_remote_kv(self, prompt_token_ids: list[int], kv_transfer_params: dict[str, Any]) -> None:
+        """A request this instance refused before queueing it still frees the KV a prefill
+        instance holds for it (its kv_transfer_params name that KV): the connector tells P at
+        once, as for a request aborted before its admission."""
+        request = Request(request_id=f"refused-{next(self._ids)}", prompt_token_ids=list(prompt_token_ids),
+                          sampling_params=SamplingParams(max_tokens=1), eos_token_ids=self.eos_token_ids,
+                          kv_transfer_params=dict(kv_transfer_params))
+        self.scheduler.release_refused(request)
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = self.parallel.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)

@@ -12,6 +12,8 @@ import hmac
 import json
 from typing import Any
 
+from kvrelay.entrypoints.openai_errors import error_body
+
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -23,11 +25,6 @@ def api_key_error(authorization: str, api_key: str) -> str | None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         return "incorrect API key in the Authorization header"
     return None
-
-
-def unauthorized_body(message: str) -> dict[str, Any]:
-    """OpenAI's error shape for a 401."""
-    return {"error": {"message": message, "type": "AuthenticationError", "param": None, "code": 401}}
 
 
 class RequireAPIKey:
@@ -47,7 +44,7 @@ class RequireAPIKey:
         if problem is None:
             await self.app(scope, receive, send)
             return
-        body = json.dumps(unauthorized_body(problem)).encode()
+        body = json.dumps(error_body(401, problem)).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})

@@ -32,24 +32,30 @@ says which rank served it in the same header. /health, /metrics and /kv_events c
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvrelay
 from kvrelay.engine.async_llm import AsyncLLM, EngineDeadError
 from kvrelay.engine.data_parallel import RANK_HEADER, DataParallelLLM, RankLeg
 from kvrelay.entrypoints.auth import api_key_error
+from kvrelay.entrypoints.openai_errors import (
+    APIError,
+    add_error_handlers,
+    context_error,
+    error_body,
+    read_json_object,
+)
 from kvrelay.entrypoints.openai_format import ChunkWriter, ResponseContext, full_response, sse
-from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt
+from kvrelay.entrypoints.prompt_tokens import chat_prompt_text, encode_prompt, request_prompt_token_ids
 from kvrelay.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,25 +80,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param,
-                      "code": status}}
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
-
 
 EngineClient = AsyncLLM | DataParallelLLM  # one engine, or data-parallel ranks behind one endpoint
 
@@ -133,11 +120,14 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
-        req = _parse(CompletionRequest, await _read_json(request))
-        self.check_model(req.model)
-        params = _to_sampling_params(req)
-        prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
-                                req.truncate_prompt_tokens) for p in req.prompts()]
+        body = await read_json_object(request)
+        with self._refusal_releases_remote_kv(body.get("kv_transfer_params"),
+                                              lambda: self._body_token_ids("/v1/completions", body)):
+            req = _parse(CompletionRequest, body)
+            self.check_model(req.model)
+            params = _to_sampling_params(req)
+            prompts = [self._prompt(p, req.max_output_tokens, "max_tokens", "prompt", req.add_special_tokens,
+                                    req.truncate_prompt_tokens) for p in req.prompts()]
         if len(prompts) > 1 and req.kv_transfer_params is not None:
             raise APIError(400, f"kv_transfer_params with a list of {len(prompts)} prompts: each prompt "
                                 "needs its own, so send one prompt per request (the kvrelay proxy splits "
@@ -151,17 +141,41 @@ class OpenAIServer:
         return await self._generate(request, req, prompts, params, ctx)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = _parse(ChatCompletionRequest, await _read_json(request))
-        self.check_model(req.model)
-        params = _to_sampling_params(req)
-        text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt), "messages")
-        max_tokens, max_param = req.max_tokens_param
-        prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens,
-                              req.truncate_prompt_tokens)
+        body = await read_json_object(request)
+        with self._refusal_releases_remote_kv(body.get("kv_transfer_params"),
+                                              lambda: self._body_token_ids("/v1/chat/completions", body)):
+            req = _parse(ChatCompletionRequest, body)
+            self.check_model(req.model)
+            params = _to_sampling_params(req)
+            text = _field_error(lambda: self._render_chat(req.messages, req.add_generation_prompt),
+                                "messages")
+            max_tokens, max_param = req.max_tokens_param
+            prompt = self._prompt(text, max_tokens, max_param, "messages", req.add_special_tokens,
+                                  req.truncate_prompt_tokens)
         ctx = ResponseContext("chat", self.served_model_name, params.logprobs if req.logprobs else None,
                               req.include_usage_in_stream, req.continuous_usage_in_stream, params.n,
                               [req.echo_text()])
         return await self._generate(request, req, [prompt], params, ctx)
+
+    @contextmanager
+    def _refusal_releases_remote_kv(self, params: Any,
+                                    token_ids: Callable[[], list[int] | None]) -> Iterator[None]:
+        """A request refused here (4xx) whose kv_transfer_params say a prefill instance computed
+        its prompt for this one still releases that KV at once, through the connector (as for a
+        request aborted before its admission), rather than leaving it held until P's lease ends.
+        The params bind the prompt's tokens (`token_ids()`): without them (an unparsable body)
+        nothing is released."""
+        try:
+            yield
+        except APIError as e:
+            if e.status < 500 and isinstance(params, dict) and params.get("do_remote_prefill"):
+                prompt_token_ids = token_ids()
+                if prompt_token_ids:
+                    self.async_llm.release_remote_kv(prompt_token_ids, params)
+            raise
+
+    def _body_token_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
+        return request_prompt_token_ids(self.async_llm.engine.tokenizer, route, body)
 
     def _render_chat(self, messages: list[Any], add_generation_prompt: bool) -> str:
         return chat_prompt_text(self.async_llm.engine.tokenizer, messages, add_generation_prompt)
@@ -182,15 +196,9 @@ class OpenAIServer:
             keep = fits if truncate == -1 else truncate
             token_ids = token_ids[-keep:] if keep > 0 else []
             prompt = token_ids  # the text no longer matches the tokens
-        used = len(token_ids)
-        if used >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                                f"request has {used} input tokens. Please reduce the length of the input "
-                                f"{param}.", param)
-        if max_tokens is not None and used + max_tokens > limit:
-            raise APIError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
-                                f"This model's maximum context length is {limit} tokens and your request "
-                                f"has {used} input tokens ({max_tokens} > {limit} - {used}).", max_param)
+        error = context_error(len(token_ids), max_tokens, limit, param, max_param)
+        if error is not None:
+            raise error
         _field_error(lambda: self.async_llm.engine.validate_prompt(token_ids), param)
         return {"prompt": prompt if isinstance(prompt, str) else None, "prompt_token_ids": token_ids}
 
@@ -199,8 +207,11 @@ class OpenAIServer:
                         ctx: ResponseContext) -> Response:
         _field_error(lambda: check_kv_transfer_params(req.kv_transfer_params), "kv_transfer_params")
         self.check_alive()
-        named_rank = _named_rank(request)
-        legs = [self._pick_rank(p["prompt_token_ids"], req.kv_transfer_params, named_rank) for p in prompts]
+        # NOTE: a rank refused (400: none such) after the params were checked releases P's KV too.
+        with self._refusal_releases_remote_kv(req.kv_transfer_params, lambda: prompts[0]["prompt_token_ids"]):
+            named_rank = _named_rank(request)
+            legs = [self._pick_rank(p["prompt_token_ids"], req.kv_transfer_params, named_rank)
+                    for p in prompts]
         request_id = req.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(prompts) > 1:
             ctx.request_id = request_id
@@ -308,12 +319,22 @@ class OpenAIServer:
         return {"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvrelay", "root": self.async_llm.model_name,
-            "max_model_len": self.async_llm.max_model_len}]}
+            "max_model_len": self.async_llm.max_model_len, "kv_transfer": self._kv_transfer()}]}
+
+    def _kv_transfer(self) -> dict[str, Any] | None:
+        """The connector that moves this instance's KV, for a proxy to check its own mode against
+        (kvrelay's field; vLLM's card has none). None without a connector."""
+        engine = self.async_llm.engine
+        config = engine.config.kv_transfer
+        if config is None or config.kv_connector is None:
+            return None
+        return {"kv_connector": config.kv_connector, "kv_role": config.kv_role,
+                "transfer_mode": engine.scheduler.connector.transfer_mode}
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt (special tokens added by default) or chat messages (the
         template's text, no special tokens added by default)."""
-        req = _parse(TokenizeRequest, await _read_json(request))
+        req = _parse(TokenizeRequest, await read_json_object(request))
         self.check_model(req.model)
         tokenizer = self.async_llm.engine.tokenizer
         if req.messages is not None:
@@ -331,7 +352,7 @@ class OpenAIServer:
         return body
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
-        req = _parse(DetokenizeRequest, await _read_json(request))
+        req = _parse(DetokenizeRequest, await read_json_object(request))
         self.check_model(req.model)
         vocab = self.async_llm.engine.spec.vocab_size
         for i, tok in enumerate(req.tokens):
@@ -382,13 +403,7 @@ def build_app(async_llm: EngineClient, served_model_name: str | None = None,
     app.state.server = server
     auth = [Depends(server.check_api_key)]
 
-    @app.exception_handler(APIError)
-    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+    add_error_handlers(app)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -446,17 +461,6 @@ def _add_instance_routes(app: FastAPI, server: OpenAIServer, auth: list[Any]) ->
 
 
 # --------------------------------------------------------------------------------- helpers
-async def _read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", "body") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", "body")
-    return body
-
-
 def _named_rank(request: Request) -> int | None:
     """The data-parallel rank the caller names in vLLM's header, if any; 400 when it is no rank."""
     raw = request.headers.get(RANK_HEADER)

@@ -191,6 +191,11 @@ class KVConnectorBase(ABC):
     that suits a connector which loads synchronously and never holds blocks after a request ends.
     """
 
+    # How KV moves between a P and a D through this connector, which the proxy in front must
+    # match: "pull" (D reads after P answered), "push" (P writes into D's registered blocks),
+    # or None (it moves no KV between instances). `kvrelay serve` tells a proxy (GET /v1/models).
+    transfer_mode: str | None = None
+
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         transfer_config = KVTransferConfig.from_any(config.kv_transfer)
         if transfer_config is None:

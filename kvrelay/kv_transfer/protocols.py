@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 class SchedulerConnector(Protocol):
     """What the scheduler and the engine call on the scheduler-side connector."""
 
+    transfer_mode: str | None  # "pull", "push" or None (KVConnectorBase says what they mean)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]: ...
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
@@ -76,6 +78,8 @@ class WorkerConnector(LayerHooks, Protocol):
 
 class NullSchedulerConnector:
     """The scheduler-side connector of an instance without KV transfer: every call does nothing."""
+
+    transfer_mode: str | None = None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False

@@ -4,6 +4,8 @@ Every test ends with no block in use."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvrelay.request import RequestStatus
@@ -111,12 +113,41 @@ def test_async_load_on_top_of_a_local_prefix_hit():
     step(sched, runner)
     held = sched.kv_cache_manager.get_block_ids("a")
     assert calls(conn, "update_state_after_alloc", "a") == [("update_state_after_alloc", "a", held, 6)]
-    assert a.num_cached_tokens == 8
+    # The local hit, and vLLM's count of cached tokens: that hit plus what the connector offered.
+    assert (a.num_local_cached_tokens, a.num_cached_tokens) == (8, 14)
     step(sched, runner, finished_recving={"a"})
     so, _ = step(sched, runner)
     assert so.num_scheduled_tokens == {"a": 1}
     finish(sched, runner)
     assert a.output_token_ids == expected_tokens(p, 3)
+
+
+def test_cached_tokens_count_the_local_hit_and_the_load_or_ps_hit_when_p_says_it():
+    """vLLM's usage.prompt_tokens_details.cached_tokens: the local hit plus what the connector
+    offered at the first admission; on D of a P/D pair, P's own hit when P's params carry it."""
+    sched, conn, runner = setup()
+    base = prompt(8, 100)
+    sched.add_request(make_request(base + [7], request_id="first", max_tokens=1))
+    finish(sched, runner)
+    p = base + prompt(6, 500)
+    params: dict[str, Any] = {"sync": None, "async": P2P_PARAMS,
+                              "pd": {**P2P_PARAMS, "remote_prefill_cached_tokens": 3}}
+    loads = {name: (make_request(p, request_id=name, max_tokens=1, kv_transfer_params=params[name]),
+                    name != "sync") for name in params}
+    outputs = {}
+    for name, (req, load_async) in loads.items():
+        conn.set_external_tokens(14, load_async=load_async, request_id=name)
+        sched.add_request(req)
+        settled = {"finished_recving": {name}} if load_async else {}
+        outs = step(sched, runner)[1] + step(sched, runner, **settled)[1]
+        while not req.is_finished:
+            outs += step(sched, runner)[1]
+        outputs.update({o.request_id: o for o in outs})
+        finish(sched, runner)
+    # A synchronous load leaves the last token to compute; an asynchronous one claims it too.
+    assert {name: o.num_cached_tokens for name, o in outputs.items()} == {"sync": 13, "async": 14, "pd": 3}
+    # The later two hit the blocks "sync" computed locally; the sums are the same.
+    assert [req.num_local_cached_tokens for req, _ in loads.values()] == [8, 12, 12]
 
 
 # ------------------------------------------------------------------ prefill side: delayed free
@@ -132,7 +163,8 @@ def test_prefill_side_keeps_blocks_until_finished_sending():
     _, outs = step(sched, runner)
     assert [(o.request_id, o.finish_reason) for o in outs] == [("p", "length")]
     assert outs[0].new_token_ids == expected_tokens(p, 1)
-    assert outs[0].kv_transfer_params == P2P_PARAMS
+    # vLLM's field: P's own cache hit on the prompt, for D to report in its usage.
+    assert outs[0].kv_transfer_params == {**P2P_PARAMS, "remote_prefill_cached_tokens": 0}
     held = sched.kv_cache_manager.get_block_ids("p")
     assert calls(conn, "request_finished", "p") == [("request_finished", "p", held)]
     for _ in range(3):  # the decode instance has not read them yet

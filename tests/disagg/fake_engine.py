@@ -43,6 +43,7 @@ class FakeEngine:
     stop_prompts: tuple[str, ...] = ()  # completion prompts whose P token ends them (the others go on)
     healthy: bool = True
     tokenizes_differently: bool = False  # its /tokenize disagrees with the proxy's tokenizer
+    tail_hit_tokens: int = 0  # a hit's cached_tokens also counts this much of a partial block (a tier's tail)
     cached: set[bytes] = field(default_factory=set)
     requests: list[dict[str, Any]] = field(default_factory=list)
     answered: int = 0
@@ -144,7 +145,7 @@ class FakeEngine:
         return {"id": f"cmpl-{body.get('request_id')}", "object": "text_completion", "created": 1,
                 "model": "tiny", "choices": [choice],
                 "usage": {"prompt_tokens": num_tokens, "completion_tokens": 1, "total_tokens": num_tokens + 1,
-                          "prompt_tokens_details": {"cached_tokens": hit}},
+                          "prompt_tokens_details": {"cached_tokens": hit + self.tail_hit_tokens * bool(hit)}},
                 "kv_transfer_params": params}
 
     async def _stream(self) -> AsyncIterator[bytes]:

@@ -90,12 +90,15 @@ def closed_port_url() -> str:
 class FakeBackend:
     """A P or D that records what it receives and answers as told.
 
-    mode: "ok" | "error" (500) | "bad_request" (400, OpenAI error body) | "slow" (sleeps
-    `delay` before answering) | "no_params" (P answers without kv_transfer_params).
+    mode: "ok" | "error" (500) | "bad_request" (`error_status`, 400 by default, an OpenAI error
+    body naming `error_param`) | "slow" (sleeps `delay` before answering) | "no_params" (P
+    answers without kv_transfer_params).
     """
 
     name: str
     mode: str = "ok"
+    error_status: int = 400
+    error_param: str = "temperature"
     delay: float = 0.0
     chunk_delay: float = 0.0
     answered: int = 0  # requests answered (after `delay`)
@@ -105,6 +108,10 @@ class FakeBackend:
     cancelled: threading.Event = field(default_factory=threading.Event)
     healthy: bool = True
     health_delay: float = 0.0  # seconds /health takes to answer
+    # Its /v1/models card: a kvrelay instance's connector ({"kv_connector", "transfer_mode"}),
+    # and a context length; None: not said (as vLLM does not say the first).
+    kv_transfer: dict[str, Any] | None = None
+    max_model_len: int | None = None
 
     def kv_transfer_params(self, request_id: str) -> dict[str, Any]:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
@@ -125,7 +132,12 @@ class FakeBackend:
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            card: dict[str, Any] = {"id": "fake-model", "object": "model"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            if self.kv_transfer is not None:
+                card["kv_transfer"] = self.kv_transfer
+            return JSONResponse({"object": "list", "data": [card]})
 
         @app.get("/health")
         async def health() -> Response:
@@ -138,9 +150,9 @@ class FakeBackend:
         if self.mode == "error":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if self.mode == "bad_request":
-            return JSONResponse({"error": {"message": "temperature must be >= 0, got -1",
-                                           "type": "BadRequestError", "param": "temperature",
-                                           "code": 400}}, status_code=400)
+            return JSONResponse({"error": {"message": f"{self.error_param} is wrong in {self.name}",
+                                           "type": "BadRequestError", "param": self.error_param,
+                                           "code": self.error_status}}, status_code=self.error_status)
         if self.delay:
             await asyncio.sleep(self.delay)
         self.answered += 1  # past the delay: what a test asks to tell "still busy" from "done"

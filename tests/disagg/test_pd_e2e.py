@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.disagg.launcher import ClusterSpec, LocalCluster
+from kvrelay.disagg.legs import decode_body, prefill_body
 from kvrelay.disagg.proxy import ProxyConfig, build_app
 from tests.disagg.servers import ServerThread, closed_port_url
 from tests.entrypoints.serve_process import ROOT, ServeProcess
@@ -281,3 +282,58 @@ def test_demo_streams_answers_and_shows_the_prompt_was_loaded_on_d(cluster: Loca
     prompt_len = re.search(r"prompt (\d+) tokens", text)
     assert loaded and prompt_len, text
     assert int(loaded.group(1)) == int(prompt_len.group(1)) - 1, text  # all but the last token
+
+
+# ---------------------------------------------------------------------- the client's mistakes
+
+
+def test_a_client_error_through_the_proxy_is_ps_answer_and_nothing_runs_on_d(
+        cluster: LocalCluster, single: ServeProcess) -> None:
+    (p,), (d,) = cluster.prefill, cluster.decode
+    bad = [{"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 3.0},
+           {"model": "nope", "prompt": PROMPTS[1], "max_tokens": 4},
+           {"model": "tiny", "prompt": "", "max_tokens": 4}]
+    before_d, before_proxy = metrics(d.url), metrics(cluster.url)
+    for body in bad:
+        via_proxy = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        alone = httpx.post(single.url + "/v1/completions", json=body, timeout=60)
+        assert (via_proxy.status_code, via_proxy.json()) == (alone.status_code, alone.json())
+        assert via_proxy.status_code in (400, 404)
+    after_d, after_proxy = metrics(d.url), metrics(cluster.url)
+    for name in ("kvrelay_requests_finished_total", "kvrelay_prompt_tokens_computed_total"):
+        assert after_d.get(name, 0) == before_d.get(name, 0), name  # no decode leg
+    grew = {name: after_proxy.get(name, 0) - before_proxy.get(name, 0) for name in (
+        "kvrelay_proxy_client_errors_total", "kvrelay_proxy_fallbacks_total")}
+    assert grew == {"kvrelay_proxy_client_errors_total": 3, "kvrelay_proxy_fallbacks_total": 0}
+    assert wait_for_blocks_freed([p.url, d.url]) == {p.url: 0, d.url: 0}
+
+
+def test_max_tokens_beyond_the_context_is_refused_by_the_proxy_before_p_computes(
+        cluster: LocalCluster, single: ServeProcess) -> None:
+    (p,), (d,) = cluster.prefill, cluster.decode
+    context = httpx.get(d.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": context, "temperature": 0.0}
+    before_p = metrics(p.url)["kvrelay_prompt_tokens_computed_total"]
+    via_proxy = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+    alone = httpx.post(single.url + "/v1/completions", json=body, timeout=60)
+    assert via_proxy.status_code == 400 and via_proxy.json() == alone.json()  # vLLM's wording, D's limit
+    assert metrics(p.url)["kvrelay_prompt_tokens_computed_total"] == before_p  # P computed nothing
+
+
+@pytest.mark.parametrize("refused_for", ["max_tokens", "X-data-parallel-rank"])
+def test_d_refusing_a_request_p_prefilled_for_it_frees_ps_blocks_at_once(cluster: LocalCluster,
+                                                                         refused_for: str) -> None:
+    """D refuses a max_tokens its context cannot hold, or a data-parallel rank it does not have."""
+    (p,), (d,) = cluster.prefill, cluster.decode
+    context = httpx.get(d.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    max_tokens = context if refused_for == "max_tokens" else 4
+    headers = {"X-data-parallel-rank": "3"} if refused_for != "max_tokens" else {}
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": max_tokens, "temperature": 0.0}
+    answer = httpx.post(p.url + "/v1/completions", json=prefill_body(body, "refused"), timeout=60).json()
+    assert metrics(p.url)["kvrelay_kv_blocks_in_use"] > 0  # held for D, under a 30 s lease
+    expired = metrics(p.url)["kvrelay_kv_lease_expired_total"]
+    refused = httpx.post(d.url + "/v1/completions", timeout=60, headers=headers,
+                         json=decode_body(body, "refused-d", answer["kv_transfer_params"]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == refused_for
+    assert wait_for_blocks_freed([p.url], timeout=10) == {p.url: 0}  # D told P: no lease ran out
+    assert metrics(p.url)["kvrelay_kv_lease_expired_total"] == expired

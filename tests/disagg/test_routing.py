@@ -180,6 +180,17 @@ def test_repeated_prefixes_follow_the_instance_that_caches_them(tmp_path: Path) 
                  what="the index to count the stored blocks")
 
 
+def test_an_actual_hit_ending_in_a_partial_block_is_compared_in_full_blocks(tmp_path: Path) -> None:
+    """P's cached_tokens counts what an offload tier served, which may end in a partial block;
+    a prediction counts full blocks, and so does the comparison."""
+    p, d = FakeEngine("P", tmp_path, tail_hit_tokens=3), FakeEngine("D", tmp_path)
+    with proxy_over([p], [d], prefill_routing="kv-aware") as (url, _, _):
+        complete(url, prompt("t90"))
+        complete(url, prompt("t91 t92"))
+        assert metric(url, "kvrelay_proxy_prefix_predictions_total", outcome="exact") == 2
+        assert metric(url, "kvrelay_proxy_prefix_hit_tokens_total", kind="actual") == 16
+
+
 def test_a_fresh_prefix_is_expected_where_it_was_sent_and_a_silent_index_goes_stale(tmp_path: Path) -> None:
     p0, p1 = (FakeEngine(n, tmp_path, publish=False) for n in ("P0", "P1"))  # events never arrive
     d = FakeEngine("D", tmp_path)

@@ -12,6 +12,7 @@ from typing import ClassVar
 import pytest
 
 from kvrelay.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from kvrelay.disagg.routing.kv_index import KVIndex
 from kvrelay.engine import data_parallel
 from kvrelay.engine.async_llm import AsyncLLM
 from kvrelay.engine.data_parallel import DataParallelLLM
@@ -127,3 +128,25 @@ def test_a_rank_served_alone_takes_requests_named_for_it_only() -> None:
         for llm in (alone, plain):
             llm.shutdown()
             llm.engine.shutdown()
+
+
+def test_a_refused_requests_remote_kv_is_released_through_a_rank_that_is_up() -> None:
+    """`kvrelay serve` releases P's KV for a request it refused before any rank saw it
+    (openai_server): any rank's connector can tell P, so the first one up does, none when all are down."""
+    llms = [AsyncLLM(LLMEngine(group().for_data_parallel_rank(r), loaded=tiny_loaded_model()))
+            for r in range(2)]
+    released: list[tuple[int | None, list[int]]] = []
+    for llm in llms:
+        llm.release_remote_kv = (  # type: ignore[method-assign]
+            lambda tokens, params, rank=llm.dp_rank: released.append((rank, tokens)))
+    front = DataParallelLLM(llms, KVIndex())
+    params = {"do_remote_prefill": True, "remote_engine_id": "p"}
+    try:
+        front.release_remote_kv([1, 2, 3], params)
+        llms[0].shutdown()
+        front.release_remote_kv([4, 5], params)
+        llms[1].shutdown()
+        front.release_remote_kv([6], params)
+        assert released == [(0, [1, 2, 3]), (1, [4, 5])]
+    finally:
+        front.shutdown()

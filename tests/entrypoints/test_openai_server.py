@@ -192,11 +192,15 @@ def test_kv_transfer_params_pass_through_and_come_back_top_level(client, server)
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
     resp = client.completions.create(model=MODEL, prompt="t40 t41 t42", max_tokens=1,
                                      extra_body={"kv_transfer_params": incoming, "request_id": "pd-1"})
-    assert resp.model_extra["kv_transfer_params"] == P_PARAMS
+    # P adds its own cache hit (vLLM's remote_prefill_cached_tokens), for D to report.
+    cached = resp.usage.prompt_tokens_details.cached_tokens
+    assert resp.model_extra["kv_transfer_params"] == {**P_PARAMS, "remote_prefill_cached_tokens": cached}
     assert resp.id == "cmpl-pd-1"
     chat = post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "t1"}],
                                                      "max_tokens": 1, "kv_transfer_params": incoming})
-    assert chat.status_code == 200 and chat.json()["kv_transfer_params"] == P_PARAMS
+    cached = chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert chat.status_code == 200
+    assert chat.json()["kv_transfer_params"] == {**P_PARAMS, "remote_prefill_cached_tokens": cached}
     wait_settled(server.url)  # the connector held the blocks, then released them
 
 

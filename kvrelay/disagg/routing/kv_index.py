@@ -211,6 +211,14 @@ class KVIndex:
                 num_hit += 1
             return num_hit * block_size
 
+    def whole_blocks(self, url: str, num_tokens: int) -> int:
+        """`num_tokens` cut to the instance's full blocks, the unit a predicted hit counts in
+        (an offload tier may serve a partial last block); unchanged if its block size is unknown."""
+        with self._lock:
+            entry = self._instances.get(url)
+            block_size = entry.block_size if entry is not None else None
+        return num_tokens - num_tokens % block_size if block_size else num_tokens
+
     def expect(self, url: str, request_id: str, prompt: PromptBlocks) -> None:
         """A prefill leg of `prompt` goes to `url`: count its blocks as held there until the
         leg is settled (its stores should be published by then)."""

@@ -104,6 +104,8 @@ if TYPE_CHECKING:
     from kvrelay.request import Request
 
 class NixlConnector(KVConnectorBase):
+    transfer_mode = "pull"
+
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         super().__init__(config, role, kv_spec)
         self.nixl_config = NixlConfig.from_extra_config(self.extra_config)

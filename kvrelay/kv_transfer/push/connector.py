@@ -86,6 +86,8 @@ if TYPE_CHECKING:
 
 
 class NixlPushConnector(KVConnectorBase):
+    transfer_mode = "push"
+
     def __init__(self, config: EngineConfig, role: KVConnectorRole, kv_spec: KVCacheSpec) -> None:
         super().__init__(config, role, kv_spec)
         self.nixl_config = cast(PushConfig, PushConfig.from_extra_config(self.extra_config))

@@ -218,7 +218,7 @@ class PushReceiver:
             elif now >= recv.deadline:
                 self._results.count("timeouts")
                 self._give_up(recv, f"saw no progress from P rank {recv.source.p_rank} for {timeout:.1f} s "
-                                    f"(in the {recv.stage} stage)")
+                                    f"(in the {recv.stage} stage){recv.never_started()}")
         for peer in self._peers.values():
             peer.refs = tuple(PushRef(r.spec.transfer_id, r.registration_id) for r in self._recvs.values()
                               if r.address == peer.address and r.stage == RecvStage.WAITING)
@@ -284,7 +284,7 @@ class PushReceiver:
             else:
                 recv.safe = status.state in (PUSH_REFUSED, PUSH_CANCELLED)
                 self._give_up(recv, f"P rank {recv.source.p_rank} stopped the push ({status.state}): "
-                                    f"{status.error}")
+                                    f"{status.error}{recv.never_started()}")
 
     def _progress(self, recv: RankRecv, status: PushStatus, now: float) -> None:
         """P computed another layer (or sent the completing write): D waits another timeout."""

@@ -83,6 +83,16 @@ class RankRecv:
     def address(self) -> tuple[str, int]:
         return self.spec.remote_host, self.port
 
+    def never_started(self) -> str:
+        """"; " and the likely cause when P took the registration but never started the request
+        (else ""): what D's failure message adds."""
+        if self.stage != RecvStage.WAITING or self.progress >= 0 or self.written_seen:
+            return ""
+        return ("; P never started this request: its prefill leg did not reach P in push mode, most "
+                "likely because a proxy in pull mode (the default) fronts these NixlPushConnector "
+                "instances (start `kvrelay proxy` with --transfer-mode push --prefill-kv HOST:PORT), or "
+                "that leg failed (see the proxy's log)")
+
     def record_landed(self, note: PushLanded, num_layers: int) -> None:
         """A one-sided write's bytes landed: sum its blocks now (the prompt blocks [start, end)
         sit in the local blocks the registration listed from `first_block` on)."""

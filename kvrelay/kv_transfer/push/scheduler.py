@@ -40,6 +40,12 @@ def check_push_params(params: dict[str, Any], keys: security.Keys) -> str | None
     mode = params.get("transfer_mode")
     if mode != "push":
         return f"transfer_mode must be 'push' for a NixlPushConnector, got {mode!r}"
+    if params.get("remote_block_ids") is not None:
+        # NOTE: a push P names its blocks only when a pull-style prefill leg reached it; it then
+        # pushes nothing, so waiting for its writes would only stall.
+        return ("they are P's answer to a pull-mode prefill leg (P pushed nothing): a proxy in pull "
+                "mode (the default) fronts these NixlPushConnector instances; start `kvrelay proxy` with "
+                "--transfer-mode push --prefill-kv HOST:PORT")
     for name in ("remote_request_id", "remote_host"):
         if not isinstance(params.get(name), str) or not params.get(name):
             return f"the params lack {name}"

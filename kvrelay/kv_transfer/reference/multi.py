@@ -63,6 +63,8 @@ class MultiConnector(KVConnectorBase):
                              role, kv_spec)
             for i, entry in enumerate(entries)
         ]
+        # NOTE: the first child that moves KV between instances says how (the P/D one).
+        self.transfer_mode = next((c.transfer_mode for c in self.connectors if c.transfer_mode), None)
         # Scheduler side.
         self._loading_child: dict[str, int] = {}  # req_id -> child that offered its tokens
         self._expected_sends: dict[str, int] = {}  # handed to the worker side next step

@@ -13,6 +13,7 @@ import pytest
 
 from tests.kv_transfer.offload.helpers import (
     CHUNK_TOKENS,
+    GREEDY,
     assert_loaded_stored_prefixes,
     assert_no_leak,
     connector_stats,
@@ -61,6 +62,29 @@ def test_cpu_tier_serves_a_repeated_prompt_after_the_local_prefix_cache_is_gone(
     counts = connector_stats(llm)
     assert counts["offload_cpu_hits"] == sum(map(stored_entries, PROMPTS))
     assert counts["offload_tails_loaded"] == 2
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("mode", [SYNC, ASYNC], ids=["sync", "async"])
+def test_an_offload_hit_counts_in_cached_tokens_with_the_local_hit(mode):
+    """usage.prompt_tokens_details.cached_tokens (an output's num_cached_tokens) counts what a
+    tier served, as vLLM counts a connector's tokens: the local hit plus the tokens loaded."""
+    llm = make_llm(offload_config(cpu_bytes="8MiB", **mode))
+
+    def cached(prompts: list[list[int]]) -> list[int]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        llm.engine.run_until_idle()
+        return [out.num_cached_tokens for out in outs]
+
+    assert cached(PROMPTS) == [0, 0, 0]
+    fresh_prefix_cache(llm)
+    assert cached(PROMPTS) == [stored_prefix(p) for p in PROMPTS]  # the tier alone
+    fresh_prefix_cache(llm)
+    first = PROMPTS[0]
+    assert cached([first[:CHUNK_TOKENS + 1]]) == [CHUNK_TOKENS]  # the tier; now also cached locally
+    before = llm.engine.get_stats()["prompt_tokens_cached"]
+    assert cached([first]) == [stored_prefix(first)]  # one local chunk, the rest from the tier
+    assert llm.engine.get_stats()["prompt_tokens_cached"] - before == CHUNK_TOKENS
     assert_no_leak(llm)
 
 

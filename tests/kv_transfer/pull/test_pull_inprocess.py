@@ -55,8 +55,22 @@ def test_partial_local_prefix_hit_pairs_new_blocks_with_the_last_remote_blocks(m
     params = pd.prefill(tokens, "p-part")
     out = pd.decode({"part": (tokens, params)}, max_tokens=5)["part"]
     assert out.outputs[0].token_ids == reference_tokens(reference, {"part": tokens}, 5)["part"]
-    assert out.num_cached_tokens == BLOCK_SIZE
+    assert pd.d.get_stats()["prompt_tokens_cached"] == BLOCK_SIZE  # D's local hit
+    # The usage reports P's own hit (vLLM's remote_prefill_cached_tokens): P computed it all.
+    assert out.num_cached_tokens == params["remote_prefill_cached_tokens"] == 0
     assert pd.d.get_stats()["kv_transfer_bytes"] > 0
+
+
+def test_d_reports_ps_own_prefix_hit_as_its_cached_tokens(make_pd, reference) -> None:
+    pd = make_pd()
+    tokens = prompt(3 * BLOCK_SIZE + 2, salt=9)
+    pd.p.add_request({"prompt_token_ids": tokens[:2 * BLOCK_SIZE + 1]}, greedy(1), request_id="warm")
+    pd.wait(pd.p, {"warm"})  # P's prefix cache now holds blocks 0-1
+    params = pd.prefill(tokens, "p-warm")
+    assert params is not None and params["remote_prefill_cached_tokens"] == 2 * BLOCK_SIZE
+    out = pd.decode({"warm-d": (tokens, params)}, max_tokens=3)["warm-d"]
+    assert out.outputs[0].token_ids == reference_tokens(reference, {"warm-d": tokens}, 3)["warm-d"]
+    assert out.num_cached_tokens == 2 * BLOCK_SIZE  # as vLLM reports it: not the KV D loaded
 
 
 def test_abort_before_admission_releases_p_blocks(make_pd) -> None:
@@ -67,6 +81,17 @@ def test_abort_before_admission_releases_p_blocks(make_pd) -> None:
     pd.d.abort_request("early")  # never scheduled
     pd.settle(timeout_s=10)
     assert _lease_expired(pd.p) == 0
+
+
+def test_a_request_d_refuses_before_queueing_still_releases_p_blocks(make_pd) -> None:
+    pd = make_pd()
+    tokens = prompt(2 * BLOCK_SIZE + 1, salt=10)
+    params = pd.prefill(tokens, "p-refused")
+    assert params is not None and pd.p.blocks_in_use > 0
+    pd.d.release_remote_kv(tokens, params)  # what `kvrelay serve` does when it refuses the request
+    pd.settle(timeout_s=10)  # far less than the 30 s lease
+    assert pd.p.blocks_in_use == 0 and _lease_expired(pd.p) == 0
+    assert pd.d.blocks_in_use == 0 and not pd.d.scheduler.requests
 
 
 def test_abort_while_handshaking_releases_p_blocks(make_pd) -> None:

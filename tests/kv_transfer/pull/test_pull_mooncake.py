@@ -76,7 +76,9 @@ def test_partial_local_prefix_hit_reads_only_the_missing_last_blocks(mooncake_pd
     params = pd.prefill(tokens, "p-part")
     out = pd.decode({"part": (tokens, params)}, max_tokens=5)["part"]
     assert out.outputs[0].token_ids == reference_tokens(reference, {"part": tokens}, 5)["part"]
-    assert out.num_cached_tokens == 2 * BLOCK_SIZE
+    assert pd.d.get_stats()["prompt_tokens_cached"] == 2 * BLOCK_SIZE  # D's local hit
+    # The usage reports P's own hit (vLLM's remote_prefill_cached_tokens): P computed it all.
+    assert out.num_cached_tokens == params["remote_prefill_cached_tokens"] == 0
     assert _stat(pd.d, "kv_load_failures") == 0
 
 

@@ -308,6 +308,19 @@ def test_p_frees_an_unregistered_push_when_its_lease_expires(make_pair) -> None:
     assert pair.p.blocks_in_use == 0 and pair.p.get_stats()["kv_lease_expired"] == 1
 
 
+def test_a_registration_p_never_starts_fails_naming_the_likely_cause(make_pair, reference, caplog) -> None:
+    pair, port = make_pair(d_extra={"transfer_timeout_seconds": 0.5, "heartbeat_seconds": 0.1})
+    tokens = prompt(2 * BLOCK_SIZE + 1, 70)
+    pair.d.add_request({"prompt_token_ids": tokens}, greedy(3), request_id="orphan",
+                       kv_transfer_params=d_params("t-orphan", port))  # no prefill leg reaches P
+    out = pair.wait(pair.d, {"orphan"})["orphan"]
+    assert out.outputs[0].token_ids == ref_tokens(reference, tokens, 3)
+    (failure,) = [m for m in caplog.messages if "recovering per kv_load_failure_policy" in m]
+    assert "saw no progress from P rank 0" in failure and "P never started this request" in failure
+    assert "a proxy in pull mode (the default) fronts these NixlPushConnector instances" in failure
+    assert "--transfer-mode push --prefill-kv HOST:PORT" in failure
+
+
 def test_a_registration_for_another_prompt_is_refused(make_pair, reference) -> None:
     pair, port = make_pair(d_extra={"heartbeat_seconds": 0.1})
     tokens, other = prompt(2 * BLOCK_SIZE + 1, 67), prompt(2 * BLOCK_SIZE + 1, 68)
