@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvrelay.disagg.connections import SERVER_KEEP_ALIVE_S
 from kvrelay.disagg.routing.hash_schemes import VLLM_HASH_ALGOS
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
 from kvrelay.utils import busy_port_error
+
+KEEP_ALIVE_S = int(SERVER_KEEP_ALIVE_S)  # toward clients, as kvrelay serve and vLLM
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -73,8 +76,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="seconds an idle connection to an instance is kept for the next leg; keep it "
                         "below the instances' keep-alive timeout (uvicorn, vLLM and kvrelay serve: 5 s) "
                         "(default 2)")
+    p.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S, metavar="SECONDS",
+                   help=f"seconds before an idle client connection is closed (default {KEEP_ALIVE_S}, as "
+                        "kvrelay serve and vLLM); a load balancer in front must drop idle connections sooner")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     p.set_defaults(func=cmd_proxy)
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """The proxy's HTTP server settings from its flags (a uvicorn.Config)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                          timeout_keep_alive=args.timeout_keep_alive)
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -89,6 +103,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
     if args.prefill_timeout <= 0:
         raise ValueError(f"--prefill-timeout must be > 0, got {args.prefill_timeout}")
+    if args.timeout_keep_alive < 1:
+        raise ValueError(f"--timeout-keep-alive must be at least 1 second, got {args.timeout_keep_alive}")
     busy = busy_port_error(args.host, args.port)  # before the tokenizer loads (kv-aware routing)
     if busy is not None:
         raise ValueError(busy)
@@ -115,7 +131,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {prefill}  "
           f"decode: {' '.join(args.decode)}  routing: prefill {prefill_routing}, decode {decode_routing}"
           f"{'  admin API on' if config.admin_key else ''}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.Server(uvicorn_config(app, args)).run()
     return 0
 
 

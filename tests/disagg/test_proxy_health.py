@@ -16,7 +16,7 @@ import pytest
 from kvrelay.disagg.connections import SERVER_KEEP_ALIVE_S
 from kvrelay.disagg.health import DownCause
 from kvrelay.disagg.proxy import ProxyConfig, build_app
-from kvrelay.entrypoints.cli import build_parser
+from kvrelay.entrypoints.cli import build_parser, main
 from tests.disagg.servers import FakeBackend, ServerThread, closed_port_url, closes_idle_connections
 from tests.disagg.test_proxy import CHAT_BODY, metric
 from tests.kv_transfer.transport.helpers import wait_for
@@ -176,3 +176,18 @@ def test_the_proxy_drops_idle_connections_well_before_the_instances_do_and_says_
     assert args.keepalive_expiry == 1.5
     with pytest.raises(ValueError, match=r"keepalive_expiry must be >= 0 seconds .* got -1"):
         ProxyConfig(**urls, keepalive_expiry=-1)
+
+
+def test_the_proxy_closes_idle_client_connections_after_its_timeout_keep_alive(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from fastapi import FastAPI
+
+    from kvrelay.disagg.proxy_cli import uvicorn_config
+
+    base = ["proxy", "--prefill", "http://a:1", "--decode", "http://b:2"]
+    default = build_parser().parse_args(base)
+    assert uvicorn_config(FastAPI(), default).timeout_keep_alive == SERVER_KEEP_ALIVE_S
+    given = build_parser().parse_args([*base, "--timeout-keep-alive", "30"])
+    assert uvicorn_config(FastAPI(), given).timeout_keep_alive == 30
+    assert main([*base, "--timeout-keep-alive", "0"]) == 2
+    assert "--timeout-keep-alive must be at least 1 second, got 0" in capsys.readouterr().err

@@ -187,7 +187,7 @@ def test_a_restarted_vllm_instance_gets_nothing_while_down_and_no_prefix_traffic
         holder = next(s for s in vllm_pair if served(url, s.url) == 1)
         wait_for(lambda: stored_blocks(p, holder.url) >= 3, timeout_s=10, what="the holder's events")
         resets = index_of(p, holder.url).resets
-        holder.stop()
+        holder.kill()  # a crash: its cache, its event sockets and its NIXL agent go with it
         wait_for(lambda: p.manager.find(holder.url).state.value == "down",  # type: ignore[union-attr]
                  timeout_s=5, what="the health check to take the stopped instance out")
         sent_before = served(url, holder.url)
