@@ -44,6 +44,7 @@ TEST_GROUPS: dict[str, list[str]] = {
     "smoke": [f"{_ENGINE_GPU}::test_float32_greedy_tokens_equal_transformers_on_the_same_weights",
               f"{_ENGINE_GPU}::test_cuda_graph_tokens_are_identical_to_eager_tokens_in_bf16"],
     "gpu": [_ENGINE_GPU, "tests/gpu/test_pd_gpu.py", "tests/gpu/test_serve_gpu.py"],
+    "invariance": ["tests/gpu/test_batch_invariance_gpu.py"],
     "transfer": ["tests/kv_transfer/transport/test_cuda_ipc.py",
                  "tests/kv_transfer/transport/test_staging.py",
                  "tests/kv_transfer/offload/test_offload_gpu.py"],

@@ -6,7 +6,7 @@
 #
 # After the third call, give the machine back (the device tool's give_back) unless one is rerun at
 # once. Here, once, before the calls (needs the package registries):
-#   bash scripts/gpu_check.sh --wheels    # .whl/: scripts/device_wheels.txt, and the baseline tree
+#   bash scripts/gpu_check.sh --wheels    # .whl/: the wheels of scripts/device_wheels.txt
 #
 # The device calls (run from the repository root; each prints its parts' limits first):
 #   call 1  command "bash scripts/gpu_check.sh --call 1", carry [".whl"], timeout_s 300
@@ -25,8 +25,10 @@
 #           transfer  the GPU tests of CUDA IPC, host staging and the GPU offload tier
 #           bench-kv  bench_transfer.py --gpu on issue 33's 512 MiB Llama-8B block set
 #           bench-gpu bench_gpu.py's busy and correctness sections, SmolLM2 shape
-# Not in these 11 minutes (a later session, `--call 4`, timeout_s 300): the Llama-3.2-1B shape,
-# the host section on the GPU, bench_transfer's SmolLM2 layout and benchmarks/offload_gpu.py.
+# Not in these 11 minutes (a later session, `--call 4`, timeout_s 300): the batch-invariant mode's
+# GPU tests (tests/gpu/test_batch_invariance_gpu.py), the Llama-3.2-1B shape, bench_transfer's
+# SmolLM2 layout and benchmarks/offload_gpu.py. (bench_gpu.py's host section measures the host's
+# CPU, not the GPU: run it anywhere with `--only host`.)
 #
 # Each part runs under its own limit, cut to what is left of its call; a part that hits it is
 # killed with its process group, and a `kvrelay up` cluster (a session of its own) is stopped by
@@ -49,10 +51,10 @@ END_S=5  # the script ends this long before the device tool's limit
 CALL_TIMEOUT=(0 300 220 140 300)  # the device call's timeout_s, by call
 SETUP_S=(0 10 5 5 5)  # what a call spends before and between its parts (wheels, nvidia-smi, pip list)
 CALL_PARTS=("" "imports kernels smoke bench" "gpu-tests serve up" "ucx-diag transfer bench-kv bench-gpu"
-            "bench-llama host bench-kv-smollm offload")
+            "invariance bench-llama bench-kv-smollm offload")
 declare -A LIMIT=([imports]=30 [kernels]=85 [smoke]=55 [bench]=90 [gpu-tests]=75 [serve]=55 [up]=65
                   [ucx-diag]=10 [transfer]=40 [bench-kv]=30 [bench-gpu]=30
-                  [bench-llama]=120 [host]=60 [bench-kv-smollm]=40 [offload]=45)
+                  [invariance]=60 [bench-llama]=120 [bench-kv-smollm]=40 [offload]=45)
 
 plan_line() {  # plan_line CALL: its parts' limits, adding up within the call
   local call=$1 total=$((SETUP_S[$1] + END_S)) terms="setup ${SETUP_S[$1]}" part
@@ -91,9 +93,6 @@ for src in glob.glob(".whl/nixl_cu13-*.whl"):
                 zo.writestr(info, zi.read(info.filename))
     os.replace(src + ".tmp", src)
 PY
-  rev=$(sed -n 's/^BASELINE_REV = "\(.*\)"/\1/p' benchmarks/bench_gpu.py)
-  commit=$(git rev-parse --short "$rev^{commit}") || exit 1
-  git archive -o ".whl/baseline-$commit.tar.gz" "$commit" || exit 1
   "$PY" benchmarks/device_env.py resolve .whl | tail -3 || exit 1
   du -ch .whl/* | tail -1
   exit 0
@@ -266,13 +265,9 @@ case $CALL in
       --no-baseline
     ;;
   4)
+    pytest_part invariance invariance
     bench_gpu bench-llama bench_gpu_llama.md bench_gpu_llama.json --only throughput busy --shapes llama-3.2-1b \
       --no-baseline
-    ARCHIVE=$(find .whl -maxdepth 1 -name "baseline-*.tar.gz" 2>/dev/null | head -1)
-    BASELINE=(--no-baseline)
-    if git rev-parse -q --verify HEAD >/dev/null 2>&1; then BASELINE=()
-    elif [ -n "$ARCHIVE" ]; then BASELINE=(--baseline-archive "$ARCHIVE"); fi
-    bench_gpu host bench_gpu_host.md bench_gpu_host.json --only host --rounds 1 "${BASELINE[@]}"
     bench_kv bench-kv-smollm bench_transfer_gpu.md --gpu --tokens 1024 8192 --block-sizes 16 64 --reps 3
     if [ "$DRY" = 1 ]; then skip_part offload "its workload of the SmolLM2 shape takes a CPU here over 6 minutes"
     else run_part offload "$PY" benchmarks/offload_gpu.py --device cuda; fi
