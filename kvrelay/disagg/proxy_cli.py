@@ -131,7 +131,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     print(f"kvrelay proxy on http://{args.host}:{args.port}  prefill: {prefill}  "
           f"decode: {' '.join(args.decode)}  routing: prefill {prefill_routing}, decode {decode_routing}"
           f"{'  admin API on' if config.admin_key else ''}", flush=True)
-    uvicorn.Server(uvicorn_config(app, args)).run()
+    uvicorn.Server(uvicorn_config(app, args)).run()  # a start that fails exits 3 (uvicorn's status)
     return 0
 
 

@@ -191,3 +191,19 @@ def test_the_proxy_closes_idle_client_connections_after_its_timeout_keep_alive(
     assert uvicorn_config(FastAPI(), given).timeout_keep_alive == 30
     assert main([*base, "--timeout-keep-alive", "0"]) == 2
     assert "--timeout-keep-alive must be at least 1 second, got 0" in capsys.readouterr().err
+
+
+def test_a_proxy_that_loses_its_port_after_the_check_exits_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import kvrelay.disagg.proxy_cli as proxy_cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(proxy_cli, "busy_port_error", lambda host, port: None)  # lost the race
+        argv = ["proxy", "--decode", closed_port_url(), "--port", str(port), "--health-interval", "0"]
+        with pytest.raises(SystemExit) as failed:
+            main(argv)
+        assert failed.value.code == 3
