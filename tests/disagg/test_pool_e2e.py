@@ -75,6 +75,10 @@ class Load:
         self.answers: list[tuple[str, str]] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._go = threading.Event()  # cleared: pause between requests
+        self._go.set()
+        self._busy = threading.Semaphore(num_clients)
+        self._num_clients = num_clients
         self._threads = [threading.Thread(target=self._client, args=(k,)) for k in range(num_clients)]
 
     def __enter__(self) -> Load:
@@ -82,19 +86,33 @@ class Load:
             thread.start()
         return self
 
+    def pause(self) -> None:
+        """No new request until resume(); returns once the requests in flight have ended."""
+        self._go.clear()
+        for _ in range(self._num_clients):
+            assert self._busy.acquire(timeout=120), "a load request did not end"
+        for _ in range(self._num_clients):
+            self._busy.release()
+
+    def resume(self) -> None:
+        self._go.set()
+
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        self._go.set()
         for thread in self._threads:
             thread.join(timeout=180)
 
     def _client(self, k: int) -> None:
         i = k
         while not self._stop.is_set():
+            self._go.wait()
             prompt = PROMPTS[i % len(PROMPTS)]
-            try:
-                self.answers.append((prompt, complete(self.url, prompt, stream=bool(i % 2))))
-            except (AssertionError, httpx.HTTPError) as e:
-                self.errors.append(f"{prompt[-12:]}: {e!r}")
+            with self._busy:
+                try:
+                    self.answers.append((prompt, complete(self.url, prompt, stream=bool(i % 2))))
+                except (AssertionError, httpx.HTTPError) as e:
+                    self.errors.append(f"{prompt[-12:]}: {e!r}")
             i += 1
 
 
@@ -127,13 +145,17 @@ def test_a_running_cluster_takes_a_new_decode_instance_and_drains_an_old_one_los
             new = next(c for c in cluster.decode if c is not old)
             assert listed(cluster.url)[new.url]["state"] == "active"
             poll(lambda: legs_on(cluster.url, new.url) >= 2, 120, "legs on the new decoder")
-            # Two long answers at once: the decode policy puts one on each decoder.
+            # Two long answers at once: the decode policy puts one on each decoder. The load pauses
+            # meanwhile, so that what the poll sees in flight on the old one is a long answer, not
+            # a short request about to end (the drain below must find the old one still writing).
+            load.pause()
             long_answers: list[str] = []
             streams = [threading.Thread(target=lambda: long_answers.append(
                 complete(cluster.url, PROMPTS[0], stream=True, max_tokens=LONG_TOKENS))) for _ in range(2)]
             for stream in streams:
                 stream.start()
             poll(lambda: listed(cluster.url)[old.url]["in_flight"] > 0, 60, "a long answer on the old one")
+            load.resume()
             # Drain the old one at the proxy while it still writes: it finishes, then leaves.
             drained = httpx.post(cluster.url + "/admin/instances/drain", json={"url": old.url},
                                  headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
