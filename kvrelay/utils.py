@@ -8,6 +8,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# How long an idle HTTP keep-alive connection stays open: uvicorn's default and vLLM's
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); `kvrelay serve` and `kvrelay proxy` state it, not inherit it.
+HTTP_KEEP_ALIVE_S = 5
+
+
 def busy_port_error(host: str, port: int) -> str | None:
     """Why a server cannot listen on `host:port` now (a message naming the port and the fix), or
     None when it can. Port 0 (any free port) is always fine. The probe sets SO_REUSEADDR, as

@@ -33,11 +33,13 @@ from typing import Any
 
 import httpx
 
+from kvrelay.utils import HTTP_KEEP_ALIVE_S
+
 logger = logging.getLogger(__name__)
 
 # uvicorn's default keep-alive timeout: what vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and `kvrelay serve`
 # (--timeout-keep-alive) close idle connections after unless told otherwise.
-SERVER_KEEP_ALIVE_S = 5.0
+SERVER_KEEP_ALIVE_S = float(HTTP_KEEP_ALIVE_S)
 KEEPALIVE_EXPIRY_S = 2.0  # the proxy's default: well below SERVER_KEEP_ALIVE_S
 
 # What a server's close looks like to a request that went out on the closed connection.

@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvrelay.disagg.connections import SERVER_KEEP_ALIVE_S
 from kvrelay.disagg.routing.hash_schemes import VLLM_HASH_ALGOS
 from kvrelay.disagg.routing.policies import DEFAULT_POLICY, POLICIES
+from kvrelay.utils import HTTP_KEEP_ALIVE_S as KEEP_ALIVE_S
 from kvrelay.utils import busy_port_error
-
-KEEP_ALIVE_S = int(SERVER_KEEP_ALIVE_S)  # toward clients, as kvrelay serve and vLLM
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:

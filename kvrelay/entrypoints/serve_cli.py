@@ -27,12 +27,12 @@ from typing import Any
 
 from kvrelay.config import EngineConfig
 from kvrelay.entrypoints.engine_args import EngineArgs, add_engine_args
-from kvrelay.utils import busy_port_error
+from kvrelay.utils import HTTP_KEEP_ALIVE_S, busy_port_error
 
 logger = logging.getLogger("kvrelay.serve")
 
 _GRACEFUL_SHUTDOWN_S = 5
-KEEP_ALIVE_S = 5  # uvicorn's default, and vLLM's (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): stated, not inherited
+KEEP_ALIVE_S = HTTP_KEEP_ALIVE_S
 
 
 def add_parser(sub: Any) -> None:

@@ -70,6 +70,16 @@ def needle_in_batches(llm: LLM, seed: int = 0) -> list[tuple[int, bool, bool]]:
     return results
 
 
+def same_logprobs_alone_and_among_15(llm: LLM, seed: int, place: int) -> bool:
+    """Whether the needle's sampled-token logprobs alone equal those at `place` among 15 fillers."""
+    rng = random.Random(seed)
+    needle = tokens(rng, NEEDLE_TOKENS)
+    alone = generate(llm, [needle])[0]
+    prompts = [tokens(rng, rng.randrange(150, 301)) for _ in range(15)]
+    prompts.insert(place, needle)
+    return torch.equal(sampled_logprobs(generate(llm, prompts)[place]), sampled_logprobs(alone))
+
+
 def test_a_needle_has_the_same_logprobs_alone_and_anywhere_in_batches_of_8_to_48() -> None:
     results = needle_in_batches(make_llm(True))
     assert all(same_logprobs and same_tokens for _, same_logprobs, same_tokens in results), results
@@ -151,12 +161,7 @@ def test_the_avx2_build_of_the_kernels_is_batch_invariant_too(monkeypatch: pytes
     monkeypatch.setenv("KVRELAY_NATIVE_ARCH", "haswell")  # what an AVX2-only CPU runs
     llm = make_llm(True)
     assert "kernels 8-lane fma" in llm.engine.kv.fingerprint["numerics"]
-    rng = random.Random(5)
-    needle = tokens(rng, NEEDLE_TOKENS)
-    alone = generate(llm, [needle])[0]
-    prompts = [tokens(rng, rng.randrange(150, 301)) for _ in range(15)]
-    prompts.insert(9, needle)
-    assert torch.equal(sampled_logprobs(generate(llm, prompts)[9]), sampled_logprobs(alone))
+    assert same_logprobs_alone_and_among_15(llm, seed=5, place=9)
 
 
 def test_tensor_parallel_2_is_batch_invariant_too() -> None:
@@ -164,12 +169,7 @@ def test_tensor_parallel_2_is_batch_invariant_too() -> None:
     numbers, the same in either order, whatever the step's token count."""
     llm = make_llm(True, num_blocks=600, tensor_parallel_size=2)
     try:
-        rng = random.Random(7)
-        needle = tokens(rng, NEEDLE_TOKENS)
-        alone = generate(llm, [needle])[0]
-        prompts = [tokens(rng, rng.randrange(150, 301)) for _ in range(15)]
-        prompts.insert(4, needle)
-        assert torch.equal(sampled_logprobs(generate(llm, prompts)[4]), sampled_logprobs(alone))
+        assert same_logprobs_alone_and_among_15(llm, seed=7, place=4)
         assert_no_leak(llm)
     finally:
         llm.shutdown()
